@@ -1,0 +1,175 @@
+//! The sample API being protected, and [`app`] that assembles the router.
+//!
+//! | route | what it does | limited by |
+//! |---|---|---|
+//! | `GET /api/items` | lists the catalogue | policy matching `/api/items` |
+//! | `GET /api/items/{id}` | one item, or 404 | policy matching `/api/items/{id}` |
+//! | `POST /api/orders` | places an order (JSON `{"item_id": 1, "quantity": 2}`) | policy matching `/api/orders` |
+//! | `GET /api/status` | instance id and backend | policy matching `/api/status` |
+//! | `GET /healthz` | liveness: the process answers | never |
+//! | `GET /readyz` | readiness: the limiter can decide | never |
+//! | `GET /metrics` | Prometheus text | never |
+//!
+//! Policies match route *templates* (`MatchedPath`), so `/api/items/7` and
+//! `/api/items/8` share the policy and the metric label `/api/items/{id}`.
+
+use crate::headers::{PROBLEM_JSON, Problem};
+use crate::limit::RateLimitLayer;
+use crate::policy::Limiter;
+use axum::extract::{Path, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// `X-Instance-Id`: which instance answered (handy behind a balancer).
+pub const INSTANCE_ID_HEADER: &str = "x-instance-id";
+
+/// What handlers share.
+#[derive(Debug, Clone)]
+pub struct AppState {
+    /// The limiter applied to `/api/` routes.
+    pub limiter: Arc<Limiter>,
+    /// Renders `/metrics`.
+    pub metrics: PrometheusHandle,
+    /// This instance's name.
+    pub instance_id: Arc<str>,
+    orders: Arc<AtomicU64>,
+}
+
+impl AppState {
+    /// State for one instance.
+    pub fn new(limiter: Arc<Limiter>, metrics: PrometheusHandle, instance_id: &str) -> Self {
+        Self {
+            limiter,
+            metrics,
+            instance_id: Arc::from(instance_id),
+            orders: Arc::new(AtomicU64::new(0)),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct Item {
+    id: u32,
+    name: &'static str,
+    price_cents: u32,
+}
+
+const ITEMS: [Item; 3] = [
+    Item { id: 1, name: "token", price_cents: 100 },
+    Item { id: 2, name: "bucket", price_cents: 2_500 },
+    Item { id: 3, name: "sliding window", price_cents: 4_000 },
+];
+
+async fn list_items() -> Json<&'static [Item]> {
+    Json(&ITEMS)
+}
+
+fn problem(status: StatusCode, slug: &str, title: &'static str, detail: String) -> Response {
+    let body = Problem::new(slug, title, status.as_u16(), detail).to_json();
+    (status, [(header::CONTENT_TYPE, PROBLEM_JSON)], body).into_response()
+}
+
+async fn get_item(Path(id): Path<u32>) -> Response {
+    match ITEMS.iter().find(|i| i.id == id) {
+        Some(item) => Json(item).into_response(),
+        None => problem(StatusCode::NOT_FOUND, "not-found", "Not Found", format!("no item {id}")),
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct NewOrder {
+    item_id: u32,
+    quantity: u32,
+}
+
+#[derive(Debug, Serialize)]
+struct Order {
+    order_id: u64,
+    item_id: u32,
+    quantity: u32,
+    instance: Arc<str>,
+}
+
+async fn create_order(State(state): State<AppState>, Json(order): Json<NewOrder>) -> Response {
+    if !ITEMS.iter().any(|i| i.id == order.item_id) {
+        return problem(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "unknown-item",
+            "Unprocessable Content",
+            format!("no item {}", order.item_id),
+        );
+    }
+    if !(1..=100).contains(&order.quantity) {
+        return problem(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "bad-quantity",
+            "Unprocessable Content",
+            "quantity must be 1 to 100".into(),
+        );
+    }
+    let created = Order {
+        order_id: state.orders.fetch_add(1, Ordering::Relaxed) + 1,
+        item_id: order.item_id,
+        quantity: order.quantity,
+        instance: Arc::clone(&state.instance_id),
+    };
+    (StatusCode::CREATED, Json(created)).into_response()
+}
+
+async fn status(State(state): State<AppState>) -> Json<serde_json::Value> {
+    Json(serde_json::json!({
+        "instance": &*state.instance_id,
+        "backend": state.limiter.backend(),
+    }))
+}
+
+async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+async fn readyz(State(state): State<AppState>) -> Json<serde_json::Value> {
+    // The memory backend is always able to decide; backends that can be
+    // unreachable will report degraded here.
+    Json(serde_json::json!({ "status": "ready", "backend": state.limiter.backend() }))
+}
+
+async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.metrics.render(),
+    )
+}
+
+async fn add_instance_id(State(state): State<AppState>, mut response: Response) -> Response {
+    if let Ok(v) = HeaderValue::from_str(&state.instance_id) {
+        response.headers_mut().insert(INSTANCE_ID_HEADER, v);
+    }
+    response
+}
+
+/// The whole service: the sample API behind the limiter, plus operations
+/// endpoints that are never limited (a throttled health check would take a
+/// healthy instance out of its balancer).
+pub fn app(state: AppState) -> Router {
+    let api = Router::new()
+        .route("/api/items", get(list_items))
+        .route("/api/items/{id}", get(get_item))
+        .route("/api/orders", post(create_order))
+        .route("/api/status", get(status))
+        // route_layer: only matched routes are limited, and `MatchedPath`
+        // (the template) is known when the limiter runs.
+        .route_layer(RateLimitLayer::new(Arc::clone(&state.limiter)));
+    Router::new()
+        .merge(api)
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .layer(axum::middleware::map_response_with_state(state.clone(), add_instance_id))
+        .with_state(state)
+}

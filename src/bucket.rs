@@ -1,0 +1,229 @@
+//! The token bucket, exact and pure.
+//!
+//! A bucket holds up to `burst` tokens and gains `rate` tokens every `period`.
+//! A request costs `cost` tokens and is admitted only if that many are there.
+//! Refill is lazy: on each check we add `elapsed × rate` and clamp to `burst`.
+//! There is no timer, so an idle client accumulates a full burst and may spend
+//! it in one instant (burst 100 at 10/s: 100 requests at once, then 10/s).
+//!
+//! # Why integers
+//! Floats drift: `0.1 + 0.1 + 0.1 != 0.3`, and a bucket checked a million
+//! times at odd intervals ends up a token or two off. Here one token is
+//! `period_us` *units*, and one microsecond refills `rate` units, so
+//! `elapsed_us × rate` is an exact integer refill for any rate that is a whole
+//! number of tokens per period (10/s, 100/min, 1 per 3 s). Nothing is ever
+//! rounded in the state; rounding happens only when a decision is reported
+//! (remaining tokens floor, waiting times ceil), which is what clients need.
+//!
+//! The same representation is used by the Lua script in `lua/`: every
+//! quantity stays below 2^53 (checked in [`Limit::new`]) so Redis's Lua,
+//! whose numbers are doubles, computes the very same integers.
+//!
+//! The function never reads a clock or touches storage: it takes the stored
+//! state and `now`, and returns the decision and the state to store.
+
+use crate::clock::Micros;
+use std::time::Duration;
+
+/// Largest integer a double represents exactly. Keeping every quantity at or
+/// below it lets a Lua implementation reproduce this arithmetic bit for bit.
+pub const MAX_EXACT: u64 = 1 << 53;
+
+/// A validated bucket shape: `burst` tokens, refilled `rate` per `period_us`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Limit {
+    burst: u64,
+    rate: u64,
+    period_us: u64,
+}
+
+/// Why a [`Limit`] cannot be built.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LimitError {
+    /// `burst` was 0: such a bucket could never admit anything.
+    #[error("burst must be at least 1")]
+    ZeroBurst,
+    /// `rate` was 0: such a bucket would never refill.
+    #[error("rate must be at least 1")]
+    ZeroRate,
+    /// The period was shorter than a microsecond.
+    #[error("period must be at least 1 microsecond")]
+    ZeroPeriod,
+    /// `burst × period` exceeds 2^53, where doubles (and so Lua) stop being exact.
+    #[error("burst x period (in microseconds) must not exceed 2^53; use a shorter period or a smaller burst")]
+    TooLarge,
+}
+
+/// The request costs more than the bucket can ever hold, so no amount of
+/// waiting admits it. A configuration error, reported rather than answered
+/// with a misleading `Retry-After`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("cost {cost} exceeds the burst {burst}: the request can never be admitted")]
+pub struct CostExceedsBurst {
+    /// The cost asked for.
+    pub cost: u64,
+    /// The bucket's capacity in tokens.
+    pub burst: u64,
+}
+
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+fn div_ceil_u128(a: u128, b: u128) -> u128 {
+    a.div_ceil(b)
+}
+
+impl Limit {
+    /// `burst` tokens, refilled at `rate` tokens per `period`.
+    ///
+    /// The ratio `rate / period` is reduced first, so `100 per minute` and
+    /// `5 per 3 s` are the same bucket and take the smallest integers.
+    pub fn new(burst: u64, rate: u64, period: Duration) -> Result<Self, LimitError> {
+        if burst == 0 {
+            return Err(LimitError::ZeroBurst);
+        }
+        if rate == 0 {
+            return Err(LimitError::ZeroRate);
+        }
+        let period_us = u64::try_from(period.as_micros()).map_err(|_| LimitError::TooLarge)?;
+        if period_us == 0 {
+            return Err(LimitError::ZeroPeriod);
+        }
+        let g = gcd(rate, period_us);
+        let (rate, period_us) = (rate / g, period_us / g);
+        match burst.checked_mul(period_us) {
+            Some(cap) if cap <= MAX_EXACT => Ok(Self {
+                burst,
+                rate,
+                period_us,
+            }),
+            _ => Err(LimitError::TooLarge),
+        }
+    }
+
+    /// `burst` tokens refilled at `per_second` tokens per second.
+    pub fn per_second(burst: u64, per_second: u64) -> Result<Self, LimitError> {
+        Self::new(burst, per_second, Duration::from_secs(1))
+    }
+
+    /// Capacity in whole tokens.
+    pub fn burst(&self) -> u64 {
+        self.burst
+    }
+
+    /// Units refilled per microsecond (after reducing the ratio).
+    pub fn rate_units_per_us(&self) -> u64 {
+        self.rate
+    }
+
+    /// Units per token (after reducing the ratio).
+    pub fn units_per_token(&self) -> u64 {
+        self.period_us
+    }
+
+    /// Capacity in units.
+    pub fn capacity_units(&self) -> u64 {
+        self.burst * self.period_us
+    }
+
+    /// Time for an empty bucket to become full again.
+    pub fn refill_time(&self) -> Duration {
+        Duration::from_micros(self.capacity_units().div_ceil(self.rate))
+    }
+}
+
+/// What is stored per key: tokens (in units) as of `last` (microseconds).
+///
+/// No entry at all means a full bucket, which is why idle entries can be
+/// evicted and expired without changing any decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BucketState {
+    /// Tokens in units (`Limit::units_per_token` per token).
+    pub tokens: u64,
+    /// The instant `tokens` was computed for.
+    pub last: Micros,
+}
+
+/// The answer for one request, with everything the HTTP headers need.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Decision {
+    /// Whether the request was admitted (and its cost deducted).
+    pub allowed: bool,
+    /// The bucket's capacity in whole tokens (`RateLimit-Limit`).
+    pub limit: u64,
+    /// Whole tokens left after this decision, rounded down.
+    pub remaining: u64,
+    /// How long until another request of the same cost would be admitted:
+    /// zero if one would be right now. Exact to the microsecond: a request at
+    /// `now + retry_after` is admitted, one a microsecond earlier is not.
+    pub retry_after: Duration,
+    /// How long until the bucket is full again (zero if it is full).
+    pub reset: Duration,
+}
+
+/// Decide one request of `cost` tokens at `now`.
+///
+/// `state` is what was stored for the key, `None` if nothing was (a full
+/// bucket). Returns the decision and the state to store. A `now` earlier than
+/// `state.last` is treated as `state.last`: no refill, and the waiting times
+/// reported are measured from the real `now`, so they stay exact.
+pub fn check(
+    limit: &Limit,
+    state: Option<BucketState>,
+    cost: u64,
+    now: Micros,
+) -> Result<(Decision, BucketState), CostExceedsBurst> {
+    if cost > limit.burst {
+        return Err(CostExceedsBurst {
+            cost,
+            burst: limit.burst,
+        });
+    }
+    let cap = limit.capacity_units();
+    let unit = limit.period_us;
+    let rate = u128::from(limit.rate);
+    let BucketState { mut tokens, last } = state.unwrap_or(BucketState {
+        tokens: cap,
+        last: now,
+    });
+    // A state from a corrupted or differently shaped bucket must not grant
+    // more than a full bucket.
+    tokens = tokens.min(cap);
+    let at = now.max(last);
+    let missing = cap - tokens;
+    if missing > 0 {
+        let refill = u128::from(at - last) * rate;
+        // The refill is at most `missing`, which fits u64.
+        tokens += u64::try_from(refill.min(u128::from(missing))).unwrap_or(missing);
+    }
+    let cost_units = cost * unit;
+    let allowed = tokens >= cost_units;
+    if allowed {
+        tokens -= cost_units;
+    }
+    // Waiting times are computed at `at` and then measured from `now`.
+    let skew = at - now;
+    let wait = |deficit: u64| -> Duration {
+        if deficit == 0 {
+            Duration::ZERO
+        } else {
+            let us = div_ceil_u128(u128::from(deficit), rate) + u128::from(skew);
+            Duration::from_micros(u64::try_from(us).unwrap_or(u64::MAX))
+        }
+    };
+    let decision = Decision {
+        allowed,
+        limit: limit.burst,
+        remaining: tokens / unit,
+        retry_after: wait(cost_units.saturating_sub(tokens)),
+        reset: wait(cap - tokens),
+    };
+    Ok((decision, BucketState { tokens, last: at }))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,110 @@
+use super::*;
+
+#[test]
+fn no_file_gives_the_documented_defaults() {
+    let c = Config::load(Cli::default()).unwrap();
+    assert_eq!(c.listen, "127.0.0.1:8080".parse().unwrap());
+    assert_eq!(c.backend, Backend::Memory);
+    assert_eq!(c.ipv6_prefix, 64);
+    assert_eq!(c.memory, MemoryConfig { max_keys: 1_000_000, shards: 64 });
+    assert!(c.trusted_proxies.is_empty());
+    assert!(c.key_secret.is_none());
+    assert_eq!(c.policies, default_policies());
+    let p = &c.policies[0];
+    assert_eq!((p.route.as_str(), p.cost), ("/api/", 1));
+    assert_eq!(p.limit, Some(Limit::per_second(100, 10).unwrap()));
+}
+
+#[test]
+fn flags_override_the_file() {
+    let dir = std::env::temp_dir().join(format!("rl-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("c.toml");
+    std::fs::write(&path, "listen = \"127.0.0.1:1\"\ninstance_id = \"from-file\"\ntrusted_proxies = [\"10.0.0.0/8\"]\n").unwrap();
+    let cli = Cli {
+        config: Some(path.clone()),
+        listen: Some("127.0.0.1:2".into()),
+        ..Cli::default()
+    };
+    let c = Config::load(cli).unwrap();
+    assert_eq!(c.listen.port(), 2);
+    assert_eq!(c.instance_id, "from-file");
+    assert_eq!(c.trusted_proxies, vec!["10.0.0.0/8".parse::<IpNet>().unwrap()]);
+    let cli = Cli {
+        config: Some(path),
+        trusted_proxies: vec!["127.0.0.1".into()],
+        ..Cli::default()
+    };
+    assert_eq!(
+        Config::load(cli).unwrap().trusted_proxies,
+        vec!["127.0.0.1/32".parse::<IpNet>().unwrap()]
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn cli_reads_env_names_and_flags() {
+    let cli = Cli::try_parse_from([
+        "ratelimiter",
+        "--listen",
+        "127.0.0.1:9",
+        "--backend",
+        "memory",
+        "--trusted-proxy",
+        "10.0.0.0/8",
+        "--trusted-proxy",
+        "192.168.0.1",
+        "--instance-id",
+        "api-1",
+    ])
+    .unwrap();
+    let c = Config::load(cli).unwrap();
+    assert_eq!(c.trusted_proxies.len(), 2);
+    assert_eq!(c.instance_id, "api-1");
+    assert!(Cli::try_parse_from(["ratelimiter", "--backend", "carrier-pigeon"]).is_err());
+}
+
+#[test]
+fn the_example_config_is_valid() {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/example.toml")).unwrap();
+    let c = Config::from_toml(&text).unwrap();
+    assert!(c.policies.iter().any(|p| p.limit.is_none()), "example shows an unlimited route");
+    assert!(c.policies.iter().any(|p| p.limit != p.anonymous), "example shows an anonymous limit");
+    assert!(!c.api_keys.is_empty());
+}
+
+#[test]
+fn periods_parse() {
+    assert_eq!(parse_period("500ms"), Ok(Duration::from_millis(500)));
+    assert_eq!(parse_period("2m"), Ok(Duration::from_secs(120)));
+    assert_eq!(parse_period("1d"), Ok(Duration::from_secs(86_400)));
+    assert!(parse_period("0s").is_err());
+    assert!(parse_period("10").is_err());
+    assert!(parse_period("s").is_err());
+    assert!(parse_period("1 week").is_err());
+}
+
+/// Every file in tests/fixtures/bad-config starts with `# field: <name>` and
+/// must be refused with an error that names that field.
+#[test]
+fn each_bad_config_fixture_is_refused_naming_its_field() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/bad-config");
+    let mut checked = 0;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let field = text
+            .lines()
+            .next()
+            .and_then(|l| l.strip_prefix("# field: "))
+            .unwrap_or_else(|| panic!("{} lacks a '# field:' first line", path.display()))
+            .trim();
+        let err = match Config::from_toml(&text) {
+            Ok(_) => panic!("{} was accepted", path.display()),
+            Err(e) => e.to_string(),
+        };
+        assert!(err.contains(field), "{}: error {err:?} does not name {field:?}", path.display());
+        checked += 1;
+    }
+    assert!(checked >= 15, "only {checked} fixtures found");
+}

@@ -1,0 +1,205 @@
+//! Rate-limit response headers and problem bodies, as pure functions.
+//!
+//! Given a decision, they say to a client exactly how to back off:
+//!
+//! | header | value |
+//! |---|---|
+//! | `RateLimit-Limit` | the burst (bucket capacity) |
+//! | `RateLimit-Remaining` | whole tokens left |
+//! | `RateLimit-Reset` | seconds until the bucket is full again |
+//! | `RateLimit-Policy` | `"<policy>";q=<burst>;w=<seconds to refill from empty>` (IETF draft-10) |
+//! | `RateLimit` | `"<policy>";r=<remaining>;t=<seconds until another such request is admitted>` (draft-10) |
+//! | `Retry-After` (429 only) | whole seconds, rounded up, at least 1 |
+//!
+//! Seconds are rounded **up**: a client that waits the advertised time is
+//! admitted; rounding down would invite a retry that is denied again.
+
+use crate::bucket::{Decision, Limit};
+use http::{HeaderMap, HeaderName, HeaderValue};
+use std::time::Duration;
+
+/// `RateLimit-Limit`.
+pub const RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("ratelimit-limit");
+/// `RateLimit-Remaining`.
+pub const RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("ratelimit-remaining");
+/// `RateLimit-Reset`.
+pub const RATELIMIT_RESET: HeaderName = HeaderName::from_static("ratelimit-reset");
+/// `RateLimit-Policy` (draft-10 structured field).
+pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+/// `RateLimit` (draft-10 structured field).
+pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+
+/// Whole seconds, rounded up.
+pub fn ceil_secs(d: Duration) -> u64 {
+    d.as_secs() + u64::from(d.subsec_nanos() > 0)
+}
+
+/// The `Retry-After` value for a denial: rounded up, never 0.
+pub fn retry_after_secs(decision: &Decision) -> u64 {
+    ceil_secs(decision.retry_after).max(1)
+}
+
+fn num(n: u64) -> HeaderValue {
+    HeaderValue::from(n)
+}
+
+/// The rate-limit headers for `decision` under policy `policy` shaped
+/// `limit`, including `Retry-After` when the request was denied. `policy`
+/// must be a valid structured-field string body (config validation ensures
+/// names are `[A-Za-z0-9_.-]`).
+pub fn rate_limit_headers(policy: &str, limit: &Limit, decision: &Decision) -> HeaderMap {
+    let mut h = HeaderMap::with_capacity(6);
+    h.insert(RATELIMIT_LIMIT, num(decision.limit));
+    h.insert(RATELIMIT_REMAINING, num(decision.remaining));
+    h.insert(RATELIMIT_RESET, num(ceil_secs(decision.reset)));
+    let policy_value = format!(
+        "\"{policy}\";q={};w={}",
+        limit.burst(),
+        ceil_secs(limit.refill_time())
+    );
+    let state_value = format!(
+        "\"{policy}\";r={};t={}",
+        decision.remaining,
+        ceil_secs(decision.retry_after)
+    );
+    // Both are ASCII built from a validated name and digits.
+    if let Ok(v) = HeaderValue::from_str(&policy_value) {
+        h.insert(RATELIMIT_POLICY, v);
+    }
+    if let Ok(v) = HeaderValue::from_str(&state_value) {
+        h.insert(RATELIMIT, v);
+    }
+    if !decision.allowed {
+        h.insert(http::header::RETRY_AFTER, num(retry_after_secs(decision)));
+    }
+    h
+}
+
+/// An RFC 9457 problem document (`application/problem+json`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Problem {
+    /// A URI reference naming the problem type.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Short, human-readable summary of the type.
+    pub title: &'static str,
+    /// The HTTP status.
+    pub status: u16,
+    /// Human-readable explanation of this occurrence.
+    pub detail: String,
+    /// The policy involved, if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub policy: Option<String>,
+    /// Seconds to wait, for rate-limit problems.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry_after: Option<u64>,
+}
+
+/// `application/problem+json`.
+pub const PROBLEM_JSON: HeaderValue = HeaderValue::from_static("application/problem+json");
+
+impl Problem {
+    /// A problem of type `/problems/<slug>`.
+    pub fn new(slug: &str, title: &'static str, status: u16, detail: impl Into<String>) -> Self {
+        Self {
+            kind: format!("/problems/{slug}"),
+            title,
+            status,
+            detail: detail.into(),
+            policy: None,
+            retry_after: None,
+        }
+    }
+
+    /// The problem for a denied request.
+    pub fn rate_limited(policy: &str, decision: &Decision) -> Self {
+        let wait = retry_after_secs(decision);
+        Self {
+            policy: Some(policy.to_owned()),
+            retry_after: Some(wait),
+            ..Self::new(
+                "rate-limited",
+                "Too Many Requests",
+                429,
+                format!("rate limit of policy \"{policy}\" exceeded; retry in {wait} s"),
+            )
+        }
+    }
+
+    /// The body, serialized.
+    pub fn to_json(&self) -> String {
+        // Serializing a struct of strings and integers cannot fail.
+        serde_json::to_string(self).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn get<'a>(h: &'a HeaderMap, name: &str) -> &'a str {
+        h.get(name).unwrap().to_str().unwrap()
+    }
+
+    #[test]
+    fn allowed_request_headers() {
+        let limit = Limit::per_second(100, 10).unwrap();
+        let d = Decision {
+            allowed: true,
+            limit: 100,
+            remaining: 42,
+            retry_after: Duration::ZERO,
+            reset: Duration::from_micros(5_750_001),
+        };
+        let h = rate_limit_headers("api", &limit, &d);
+        assert_eq!(get(&h, "ratelimit-limit"), "100");
+        assert_eq!(get(&h, "ratelimit-remaining"), "42");
+        assert_eq!(get(&h, "ratelimit-reset"), "6");
+        assert_eq!(get(&h, "ratelimit-policy"), "\"api\";q=100;w=10");
+        assert_eq!(get(&h, "ratelimit"), "\"api\";r=42;t=0");
+        assert!(h.get("retry-after").is_none());
+    }
+
+    #[test]
+    fn denied_request_headers_round_up_and_never_say_zero() {
+        let limit = Limit::per_second(100, 10).unwrap();
+        let mut d = Decision {
+            allowed: false,
+            limit: 100,
+            remaining: 0,
+            retry_after: Duration::from_millis(100),
+            reset: Duration::from_secs(10),
+        };
+        let h = rate_limit_headers("api", &limit, &d);
+        assert_eq!(get(&h, "retry-after"), "1");
+        assert_eq!(get(&h, "ratelimit"), "\"api\";r=0;t=1");
+        assert_eq!(get(&h, "ratelimit-reset"), "10");
+        d.retry_after = Duration::from_micros(2_000_001);
+        assert_eq!(get(&rate_limit_headers("api", &limit, &d), "retry-after"), "3");
+        d.retry_after = Duration::from_secs(2);
+        assert_eq!(get(&rate_limit_headers("api", &limit, &d), "retry-after"), "2");
+        d.retry_after = Duration::ZERO;
+        assert_eq!(retry_after_secs(&d), 1);
+    }
+
+    #[test]
+    fn policy_window_rounds_up_for_slow_rates() {
+        // 5 tokens, 1 per 3 s: empty to full takes 15 s; 2 per 3 s: 7.5 s -> 8.
+        let slow = Limit::new(5, 1, Duration::from_secs(3)).unwrap();
+        let d = Decision { allowed: true, limit: 5, remaining: 5, retry_after: Duration::ZERO, reset: Duration::ZERO };
+        assert_eq!(get(&rate_limit_headers("p", &slow, &d), "ratelimit-policy"), "\"p\";q=5;w=15");
+        let odd = Limit::new(5, 2, Duration::from_secs(3)).unwrap();
+        assert_eq!(get(&rate_limit_headers("p", &odd, &d), "ratelimit-policy"), "\"p\";q=5;w=8");
+    }
+
+    #[test]
+    fn problem_body_is_rfc9457() {
+        let d = Decision { allowed: false, limit: 1, remaining: 0, retry_after: Duration::from_millis(1500), reset: Duration::from_secs(2) };
+        let v: serde_json::Value = serde_json::from_str(&Problem::rate_limited("api", &d).to_json()).unwrap();
+        assert_eq!(v["type"], "/problems/rate-limited");
+        assert_eq!(v["status"], 429);
+        assert_eq!(v["title"], "Too Many Requests");
+        assert_eq!(v["retry_after"], 2);
+        assert_eq!(v["policy"], "api");
+    }
+}

@@ -1,0 +1,341 @@
+//! Who is asking: the key a request is limited under.
+//!
+//! An API key (`X-Api-Key`, or `Authorization: Bearer`) identifies a client
+//! better than an address: thousands of users share one NAT or CDN address.
+//! But a header is attacker-controlled, so it may only ever *narrow* a limit:
+//!
+//! - API keys are verified against the configured list. An unknown key does
+//!   not get a bucket of its own (rotating random keys would otherwise buy
+//!   unlimited quota); it is limited by address like an anonymous client and
+//!   then answered 401.
+//! - The client address is the TCP peer. `X-Forwarded-For` is read only when
+//!   the peer is a configured trusted proxy, and then the right-most address
+//!   that is not itself a trusted proxy is the client: everything to its
+//!   left was written by the client and proves nothing.
+//! - IPv6 clients are keyed by their prefix (default /64): one subscriber
+//!   commonly holds a whole /64 and could otherwise rotate through 2^64 keys.
+//!
+//! What reaches a store is a keyed SipHash of (policy, identity), so a store,
+//! a Redis dump or a log of keys never holds a credential or an address.
+//! Malformed headers are an error (400), never a panic and never a bypass.
+
+use crate::store::BucketKey;
+use http::HeaderMap;
+use ipnet::IpNet;
+use sha2::{Digest, Sha256};
+use siphasher::sip128::{Hasher128, SipHasher13};
+use std::collections::HashMap;
+use std::hash::Hasher;
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+use std::sync::Arc;
+
+/// Longest API key accepted (bytes). Longer values are refused, not truncated.
+pub const MAX_API_KEY_LEN: usize = 256;
+/// Longest `X-Forwarded-For` (all header lines together) accepted, in bytes.
+pub const MAX_FORWARDED_FOR_LEN: usize = 2048;
+/// Most addresses accepted in `X-Forwarded-For`.
+pub const MAX_FORWARDED_FOR_HOPS: usize = 32;
+
+/// A request whose identifying headers cannot be used. Each maps to a 400
+/// response (or 500 for [`IdentityError::NoPeerAddress`]) and a metric label.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IdentityError {
+    /// An API key longer than [`MAX_API_KEY_LEN`].
+    #[error("the API key is longer than {MAX_API_KEY_LEN} bytes")]
+    ApiKeyTooLong,
+    /// An API key that is empty or has characters outside visible ASCII.
+    #[error("the API key must be 1 or more visible ASCII characters")]
+    ApiKeyInvalid,
+    /// Two different API keys in one request (two `X-Api-Key` lines, or an
+    /// `X-Api-Key` and a different bearer token).
+    #[error("the request carries more than one different API key")]
+    ApiKeyConflict,
+    /// `X-Forwarded-For` from a trusted proxy that is too long.
+    #[error("X-Forwarded-For is longer than {MAX_FORWARDED_FOR_LEN} bytes or {MAX_FORWARDED_FOR_HOPS} addresses")]
+    ForwardedForTooLong,
+    /// `X-Forwarded-For` from a trusted proxy with an entry that is not an address.
+    #[error("X-Forwarded-For holds an entry that is not an IP address")]
+    ForwardedForInvalid,
+    /// The server was built without peer addresses (a wiring bug).
+    #[error("the peer address of the connection is unknown")]
+    NoPeerAddress,
+}
+
+impl IdentityError {
+    /// The bounded label used for this error in metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            IdentityError::ApiKeyTooLong => "api_key_too_long",
+            IdentityError::ApiKeyInvalid => "api_key_invalid",
+            IdentityError::ApiKeyConflict => "api_key_conflict",
+            IdentityError::ForwardedForTooLong => "forwarded_for_too_long",
+            IdentityError::ForwardedForInvalid => "forwarded_for_invalid",
+            IdentityError::NoPeerAddress => "no_peer_address",
+        }
+    }
+}
+
+/// How a request was identified; also a metric label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyKind {
+    /// A configured API key.
+    ApiKey,
+    /// No API key: the client address.
+    Ip,
+    /// An API key that is not configured: limited by address, answered 401.
+    UnknownApiKey,
+}
+
+impl KeyKind {
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KeyKind::ApiKey => "api_key",
+            KeyKind::Ip => "ip",
+            KeyKind::UnknownApiKey => "unknown_api_key",
+        }
+    }
+}
+
+/// What a bucket is keyed by, before hashing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Identity {
+    /// The configured id of a verified API key (never the key itself).
+    ApiKey(Arc<str>),
+    /// A client address (IPv6 already cut to its prefix).
+    Ip(IpAddr),
+}
+
+/// The configured API keys, by the SHA-256 of the key.
+#[derive(Debug, Clone, Default)]
+pub struct ApiKeys {
+    by_digest: HashMap<[u8; 32], Arc<str>>,
+}
+
+impl ApiKeys {
+    /// Keys from (id, SHA-256 of the key) pairs.
+    pub fn from_digests(entries: impl IntoIterator<Item = (String, [u8; 32])>) -> Self {
+        Self {
+            by_digest: entries
+                .into_iter()
+                .map(|(id, digest)| (digest, Arc::from(id)))
+                .collect(),
+        }
+    }
+
+    /// The SHA-256 of a key, as stored.
+    pub fn digest(key: &str) -> [u8; 32] {
+        Sha256::digest(key.as_bytes()).into()
+    }
+
+    /// The id of `key`, if it is configured.
+    pub fn verify(&self, key: &str) -> Option<Arc<str>> {
+        self.by_digest.get(&Self::digest(key)).cloned()
+    }
+
+    /// How many keys are configured.
+    pub fn len(&self) -> usize {
+        self.by_digest.len()
+    }
+
+    /// Whether no key is configured.
+    pub fn is_empty(&self) -> bool {
+        self.by_digest.is_empty()
+    }
+}
+
+/// Turns a request's peer address and headers into an [`Identity`].
+#[derive(Debug, Clone)]
+pub struct Identifier {
+    api_keys: ApiKeys,
+    trusted_proxies: Vec<IpNet>,
+    ipv6_prefix: u8,
+}
+
+impl Identifier {
+    /// `ipv6_prefix` is clamped to 128.
+    pub fn new(api_keys: ApiKeys, trusted_proxies: Vec<IpNet>, ipv6_prefix: u8) -> Self {
+        Self {
+            api_keys,
+            trusted_proxies,
+            ipv6_prefix: ipv6_prefix.min(128),
+        }
+    }
+
+    /// Identify a request. `peer` is the TCP peer (`None` only if the server
+    /// was wired without connection info, which is reported, not guessed).
+    pub fn identify(
+        &self,
+        headers: &HeaderMap,
+        peer: Option<IpAddr>,
+    ) -> Result<(Identity, KeyKind), IdentityError> {
+        let presented = api_key(headers)?;
+        if let Some(key) = presented {
+            if let Some(id) = self.api_keys.verify(key) {
+                return Ok((Identity::ApiKey(id), KeyKind::ApiKey));
+            }
+        }
+        let ip = self.client_ip(headers, peer.ok_or(IdentityError::NoPeerAddress)?)?;
+        let kind = if presented.is_some() {
+            KeyKind::UnknownApiKey
+        } else {
+            KeyKind::Ip
+        };
+        Ok((Identity::Ip(self.mask(ip)), kind))
+    }
+
+    fn is_trusted(&self, ip: IpAddr) -> bool {
+        self.trusted_proxies.iter().any(|net| net.contains(&ip))
+    }
+
+    /// The client address: the peer, or if the peer is a trusted proxy, the
+    /// right-most untrusted `X-Forwarded-For` entry.
+    pub fn client_ip(&self, headers: &HeaderMap, peer: IpAddr) -> Result<IpAddr, IdentityError> {
+        let peer = peer.to_canonical();
+        if !self.is_trusted(peer) {
+            return Ok(peer);
+        }
+        let hops = forwarded_for(headers)?;
+        let mut client = peer;
+        for hop in hops.iter().rev() {
+            client = *hop;
+            if !self.is_trusted(*hop) {
+                break;
+            }
+        }
+        // Every hop trusted (or none): the left-most is the furthest we know.
+        Ok(client)
+    }
+
+    fn mask(&self, ip: IpAddr) -> IpAddr {
+        match ip {
+            IpAddr::V4(_) => ip,
+            IpAddr::V6(v6) => {
+                let bits = u128::from(v6);
+                let mask = if self.ipv6_prefix == 0 {
+                    0
+                } else {
+                    u128::MAX << (128 - u32::from(self.ipv6_prefix))
+                };
+                IpAddr::V6(Ipv6Addr::from(bits & mask))
+            }
+        }
+    }
+}
+
+fn valid_key(value: &[u8]) -> Result<&str, IdentityError> {
+    if value.len() > MAX_API_KEY_LEN {
+        return Err(IdentityError::ApiKeyTooLong);
+    }
+    if value.is_empty() || !value.iter().all(|b| (0x21..=0x7e).contains(b)) {
+        return Err(IdentityError::ApiKeyInvalid);
+    }
+    // Visible ASCII is valid UTF-8.
+    std::str::from_utf8(value).map_err(|_| IdentityError::ApiKeyInvalid)
+}
+
+/// The API key a request presents, if any, validated but not verified.
+pub fn api_key(headers: &HeaderMap) -> Result<Option<&str>, IdentityError> {
+    let mut found: Option<&str> = None;
+    for value in headers.get_all("x-api-key") {
+        let key = valid_key(value.as_bytes())?;
+        merge(&mut found, key)?;
+    }
+    for value in headers.get_all(http::header::AUTHORIZATION) {
+        let bytes = value.as_bytes();
+        // Only the Bearer scheme carries an API key; other schemes (Basic)
+        // are someone else's business and leave the request anonymous.
+        if bytes.len() > 7 && bytes[..7].eq_ignore_ascii_case(b"bearer ") {
+            let key = valid_key(bytes[7..].trim_ascii())?;
+            merge(&mut found, key)?;
+        }
+    }
+    Ok(found)
+}
+
+fn merge<'a>(found: &mut Option<&'a str>, key: &'a str) -> Result<(), IdentityError> {
+    match found {
+        Some(existing) if *existing != key => Err(IdentityError::ApiKeyConflict),
+        _ => {
+            *found = Some(key);
+            Ok(())
+        }
+    }
+}
+
+/// Parses every `X-Forwarded-For` line, in order, into addresses.
+fn forwarded_for(headers: &HeaderMap) -> Result<Vec<IpAddr>, IdentityError> {
+    let mut total = 0;
+    let mut hops = Vec::new();
+    for value in headers.get_all("x-forwarded-for") {
+        total += value.len();
+        if total > MAX_FORWARDED_FOR_LEN {
+            return Err(IdentityError::ForwardedForTooLong);
+        }
+        let text = value
+            .to_str()
+            .map_err(|_| IdentityError::ForwardedForInvalid)?;
+        for entry in text.split(',') {
+            if hops.len() == MAX_FORWARDED_FOR_HOPS {
+                return Err(IdentityError::ForwardedForTooLong);
+            }
+            hops.push(parse_hop(entry.trim()).ok_or(IdentityError::ForwardedForInvalid)?);
+        }
+    }
+    Ok(hops)
+}
+
+/// An address, optionally with a port (`1.2.3.4:80`, `[::1]:80`).
+fn parse_hop(entry: &str) -> Option<IpAddr> {
+    entry
+        .parse::<IpAddr>()
+        .ok()
+        .or_else(|| entry.parse::<SocketAddr>().ok().map(|s| s.ip()))
+        .map(|ip| ip.to_canonical())
+}
+
+/// Keyed hashing of (policy, identity) into a [`BucketKey`].
+#[derive(Clone)]
+pub struct KeyHasher {
+    secret: [u8; 16],
+}
+
+impl std::fmt::Debug for KeyHasher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KeyHasher { secret: <redacted> }")
+    }
+}
+
+impl KeyHasher {
+    /// A hasher keyed by `secret`. Instances sharing a store must share it.
+    pub fn new(secret: [u8; 16]) -> Self {
+        Self { secret }
+    }
+
+    /// The bucket of `identity` under `policy`.
+    pub fn bucket_key(&self, policy: &str, identity: &Identity) -> BucketKey {
+        let mut h = SipHasher13::new_with_key(&self.secret);
+        // Length-prefixed fields, so ("ab", "c") and ("a", "bc") differ.
+        h.write_u64(policy.len() as u64);
+        h.write(policy.as_bytes());
+        match identity {
+            Identity::ApiKey(id) => {
+                h.write_u8(b'k');
+                h.write_u64(id.len() as u64);
+                h.write(id.as_bytes());
+            }
+            Identity::Ip(IpAddr::V4(v4)) => {
+                h.write_u8(b'4');
+                h.write(&v4.octets());
+            }
+            Identity::Ip(IpAddr::V6(v6)) => {
+                h.write_u8(b'6');
+                h.write(&v6.octets());
+            }
+        }
+        BucketKey(h.finish128().as_u128())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,214 @@
+use super::*;
+use http::HeaderValue;
+use proptest::prelude::*;
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().unwrap()
+}
+
+fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+    let mut h = HeaderMap::new();
+    for (k, v) in pairs {
+        h.append(
+            http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+            HeaderValue::from_str(v).unwrap(),
+        );
+    }
+    h
+}
+
+fn identifier(trusted: &[&str]) -> Identifier {
+    Identifier::new(
+        ApiKeys::from_digests([("tenant-a".to_owned(), ApiKeys::digest("key-a"))]),
+        trusted.iter().map(|n| n.parse().unwrap()).collect(),
+        64,
+    )
+}
+
+#[test]
+fn verified_api_key_wins_over_address() {
+    let id = identifier(&[]);
+    let (who, kind) = id
+        .identify(&headers(&[("x-api-key", "key-a")]), Some(ip("10.0.0.1")))
+        .unwrap();
+    assert_eq!(who, Identity::ApiKey("tenant-a".into()));
+    assert_eq!(kind, KeyKind::ApiKey);
+    let (who, _) = id
+        .identify(&headers(&[("authorization", "Bearer key-a")]), Some(ip("10.0.0.1")))
+        .unwrap();
+    assert_eq!(who, Identity::ApiKey("tenant-a".into()));
+}
+
+#[test]
+fn unknown_api_key_is_limited_by_address() {
+    let id = identifier(&[]);
+    let (who, kind) = id
+        .identify(&headers(&[("x-api-key", "made-up")]), Some(ip("10.0.0.1")))
+        .unwrap();
+    assert_eq!(who, Identity::Ip(ip("10.0.0.1")));
+    assert_eq!(kind, KeyKind::UnknownApiKey);
+}
+
+#[test]
+fn malformed_api_keys_are_errors() {
+    let id = identifier(&[]);
+    let peer = Some(ip("10.0.0.1"));
+    let long = "k".repeat(MAX_API_KEY_LEN + 1);
+    assert_eq!(
+        id.identify(&headers(&[("x-api-key", &long)]), peer),
+        Err(IdentityError::ApiKeyTooLong)
+    );
+    assert_eq!(
+        id.identify(&headers(&[("x-api-key", "")]), peer),
+        Err(IdentityError::ApiKeyInvalid)
+    );
+    assert_eq!(
+        id.identify(&headers(&[("x-api-key", "has space")]), peer),
+        Err(IdentityError::ApiKeyInvalid)
+    );
+    let mut h = HeaderMap::new();
+    h.insert("x-api-key", HeaderValue::from_bytes(b"caf\xc3\xa9").unwrap());
+    assert_eq!(id.identify(&h, peer), Err(IdentityError::ApiKeyInvalid));
+    assert_eq!(
+        id.identify(&headers(&[("x-api-key", "key-a"), ("x-api-key", "key-b")]), peer),
+        Err(IdentityError::ApiKeyConflict)
+    );
+    assert_eq!(
+        id.identify(
+            &headers(&[("x-api-key", "key-a"), ("authorization", "Bearer key-b")]),
+            peer
+        ),
+        Err(IdentityError::ApiKeyConflict)
+    );
+    // The same key twice is not a conflict; Basic auth is not an API key.
+    assert!(id
+        .identify(&headers(&[("x-api-key", "key-a"), ("authorization", "bearer key-a")]), peer)
+        .is_ok());
+    assert_eq!(
+        id.identify(&headers(&[("authorization", "Basic dXNlcjpwYXNz")]), peer)
+            .unwrap()
+            .1,
+        KeyKind::Ip
+    );
+}
+
+#[test]
+fn forwarded_for_is_ignored_from_untrusted_peers() {
+    let id = identifier(&["10.0.0.0/8"]);
+    let h = headers(&[("x-forwarded-for", "1.2.3.4")]);
+    assert_eq!(id.client_ip(&h, ip("203.0.113.9")).unwrap(), ip("203.0.113.9"));
+    // Not even parsed: garbage from an untrusted peer is not our problem.
+    let h = headers(&[("x-forwarded-for", "not an address")]);
+    assert_eq!(id.client_ip(&h, ip("203.0.113.9")).unwrap(), ip("203.0.113.9"));
+}
+
+#[test]
+fn rightmost_untrusted_forwarded_for_entry_is_the_client() {
+    let id = identifier(&["10.0.0.0/8", "127.0.0.1/32"]);
+    // client 198.51.100.7 spoofs 1.1.1.1, then goes through 10.0.0.2 to 127.0.0.1.
+    let h = headers(&[("x-forwarded-for", "1.1.1.1, 198.51.100.7, 10.0.0.2")]);
+    assert_eq!(id.client_ip(&h, ip("127.0.0.1")).unwrap(), ip("198.51.100.7"));
+    // Split across header lines, with ports and IPv6 brackets.
+    let h = headers(&[
+        ("x-forwarded-for", "1.1.1.1"),
+        ("x-forwarded-for", "[2001:db8::1]:443, 10.0.0.2:80"),
+    ]);
+    assert_eq!(id.client_ip(&h, ip("127.0.0.1")).unwrap(), ip("2001:db8::1"));
+    // All hops trusted: the left-most is the furthest known.
+    let h = headers(&[("x-forwarded-for", "10.1.1.1, 10.0.0.2")]);
+    assert_eq!(id.client_ip(&h, ip("127.0.0.1")).unwrap(), ip("10.1.1.1"));
+    // No header from a trusted proxy: the proxy itself.
+    assert_eq!(id.client_ip(&HeaderMap::new(), ip("127.0.0.1")).unwrap(), ip("127.0.0.1"));
+    // IPv4-mapped IPv6 peers count as their IPv4 address.
+    assert_eq!(
+        id.client_ip(&headers(&[("x-forwarded-for", "198.51.100.7")]), ip("::ffff:127.0.0.1"))
+            .unwrap(),
+        ip("198.51.100.7")
+    );
+}
+
+#[test]
+fn malformed_forwarded_for_from_trusted_proxy_is_an_error() {
+    let id = identifier(&["127.0.0.1/32"]);
+    let peer = ip("127.0.0.1");
+    assert_eq!(
+        id.client_ip(&headers(&[("x-forwarded-for", "1.2.3.4, bogus")]), peer),
+        Err(IdentityError::ForwardedForInvalid)
+    );
+    assert_eq!(
+        id.client_ip(&headers(&[("x-forwarded-for", "1.2.3.4,,5.6.7.8")]), peer),
+        Err(IdentityError::ForwardedForInvalid)
+    );
+    let many = vec!["1.2.3.4"; MAX_FORWARDED_FOR_HOPS + 1].join(",");
+    assert_eq!(
+        id.client_ip(&headers(&[("x-forwarded-for", &many)]), peer),
+        Err(IdentityError::ForwardedForTooLong)
+    );
+    let long = format!("1.2.3.4{}", " ".repeat(MAX_FORWARDED_FOR_LEN));
+    assert_eq!(
+        id.client_ip(&headers(&[("x-forwarded-for", &long)]), peer),
+        Err(IdentityError::ForwardedForTooLong)
+    );
+}
+
+#[test]
+fn ipv6_clients_are_keyed_by_prefix() {
+    let id = identifier(&[]);
+    let a = id.identify(&HeaderMap::new(), Some(ip("2001:db8:1:2::a"))).unwrap().0;
+    let b = id.identify(&HeaderMap::new(), Some(ip("2001:db8:1:2:ffff::b"))).unwrap().0;
+    let c = id.identify(&HeaderMap::new(), Some(ip("2001:db8:1:3::a"))).unwrap().0;
+    assert_eq!(a, b);
+    assert_ne!(a, c);
+    assert_eq!(a, Identity::Ip(ip("2001:db8:1:2::")));
+}
+
+#[test]
+fn no_peer_address_is_reported() {
+    assert_eq!(
+        identifier(&[]).identify(&HeaderMap::new(), None),
+        Err(IdentityError::NoPeerAddress)
+    );
+}
+
+#[test]
+fn bucket_keys_separate_policies_identities_and_secrets() {
+    let h = KeyHasher::new([1; 16]);
+    let alice = Identity::ApiKey("alice".into());
+    let k = h.bucket_key("api", &alice);
+    assert_eq!(k, h.bucket_key("api", &alice));
+    assert_ne!(k, h.bucket_key("api2", &alice));
+    assert_ne!(k, h.bucket_key("api", &Identity::ApiKey("bob".into())));
+    assert_ne!(k, KeyHasher::new([2; 16]).bucket_key("api", &alice));
+    // Field boundaries matter.
+    assert_ne!(
+        h.bucket_key("ab", &Identity::ApiKey("c".into())),
+        h.bucket_key("a", &Identity::ApiKey("bc".into()))
+    );
+    // The key's text holds no trace of the identity.
+    assert!(!format!("{k}").contains("alice"));
+}
+
+proptest! {
+    /// No header value, however malformed, panics; an untrusted peer always
+    /// stays the identity whatever X-Forwarded-For says.
+    #[test]
+    fn arbitrary_headers_never_panic_or_move_an_untrusted_peer(
+        xff in prop::collection::vec(any::<u8>(), 0..300),
+        key in prop::collection::vec(any::<u8>(), 0..300),
+        auth in prop::collection::vec(any::<u8>(), 0..300),
+    ) {
+        let id = identifier(&["127.0.0.1/32"]);
+        let mut h = HeaderMap::new();
+        for (name, bytes) in [("x-forwarded-for", &xff), ("x-api-key", &key), ("authorization", &auth)] {
+            if let Ok(v) = HeaderValue::from_bytes(bytes) {
+                h.insert(name, v);
+            }
+        }
+        let _ = id.identify(&h, Some(ip("127.0.0.1")));
+        if let Ok((who, kind)) = id.identify(&h, Some(ip("203.0.113.1"))) {
+            if kind != KeyKind::ApiKey {
+                prop_assert_eq!(who, Identity::Ip(ip("203.0.113.1")));
+            }
+        }
+    }
+}

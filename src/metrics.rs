@@ -1,0 +1,73 @@
+//! Every metric this service exports, named in one place.
+//!
+//! Dashboards and alerts refer to these names; keeping them here (and only
+//! here) means code and dashboards cannot drift apart silently. Labels are
+//! bounded: policy names come from the config, routes are route templates
+//! (`MatchedPath`), never raw URIs, keys or addresses.
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use std::sync::OnceLock;
+
+/// Counter: limiter decisions. Labels: `policy`, `decision`
+/// (`allowed`|`denied`), `key_kind` (`api_key`|`ip`|`unknown_api_key`).
+pub const DECISIONS_TOTAL: &str = "ratelimit_decisions_total";
+/// Histogram: time spent deciding (store round trip included). Labels: `backend`.
+pub const CHECK_DURATION_SECONDS: &str = "ratelimit_check_duration_seconds";
+/// Counter: requests refused before a decision because their identifying
+/// headers were malformed. Labels: `reason` (see `IdentityError::kind`).
+pub const IDENTITY_ERRORS_TOTAL: &str = "ratelimit_identity_errors_total";
+/// Counter: store failures. Labels: `backend`, `kind`.
+pub const STORE_ERRORS_TOTAL: &str = "ratelimit_store_errors_total";
+/// Counter: in-memory buckets dropped. Labels: `reason`: `idle` (full again,
+/// exact) or `pressure` (still refilling: `max_keys` is too small).
+pub const MEMORY_EVICTIONS_TOTAL: &str = "ratelimit_memory_evictions_total";
+/// Gauge, always 1: which instance and backend this is. Labels: `instance`, `backend`.
+pub const INSTANCE_INFO: &str = "ratelimit_instance_info";
+
+/// Buckets for `*_seconds` histograms: from 10 µs (an in-memory check) to
+/// 1 s, dense around the 0.1–5 ms a Redis round trip takes.
+pub const SECONDS_BUCKETS: &[f64] = &[
+    0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002, 0.005, 0.01, 0.025,
+    0.05, 0.1, 0.25, 0.5, 1.0,
+];
+
+/// Installs the Prometheus recorder once per process and returns its handle.
+/// Later calls (tests starting several apps) get the same handle.
+pub fn install() -> PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            let recorder = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
+                .expect("static, non-empty bucket list")
+                .build_recorder();
+            let handle = recorder.handle();
+            // Fails only if another recorder was installed first, in which
+            // case ours renders nothing; that is a wiring bug worth a log.
+            if metrics::set_global_recorder(recorder).is_err() {
+                tracing::error!("a metrics recorder was already installed; /metrics will be empty");
+            }
+            describe();
+            handle
+        })
+        .clone()
+}
+
+fn describe() {
+    metrics::describe_counter!(DECISIONS_TOTAL, "Rate limiter decisions");
+    metrics::describe_histogram!(
+        CHECK_DURATION_SECONDS,
+        metrics::Unit::Seconds,
+        "Time to decide one request, store round trip included"
+    );
+    metrics::describe_counter!(
+        IDENTITY_ERRORS_TOTAL,
+        "Requests refused (400) for malformed identifying headers"
+    );
+    metrics::describe_counter!(STORE_ERRORS_TOTAL, "Store failures by kind");
+    metrics::describe_counter!(
+        MEMORY_EVICTIONS_TOTAL,
+        "In-memory buckets dropped: idle (exact) or pressure (max_keys too small)"
+    );
+    metrics::describe_gauge!(INSTANCE_INFO, "Instance id and backend, value 1");
+}

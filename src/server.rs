@@ -1,0 +1,81 @@
+//! Bind, serve, shut down gracefully; and build an instance from config.
+
+use crate::api::{AppState, app};
+use crate::clock::Clock;
+use crate::config::{Backend, Config};
+use crate::metrics as m;
+use crate::policy::Limiter;
+use crate::store::{MemoryStore, Store};
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+
+/// Builds the shared state of one instance from validated config.
+pub fn build_state(config: &Config, clock: Arc<dyn Clock>) -> AppState {
+    let store: Arc<dyn Store> = match config.backend {
+        Backend::Memory => Arc::new(MemoryStore::new(config.memory.max_keys, config.memory.shards)),
+    };
+    let handle = m::install();
+    metrics::gauge!(m::INSTANCE_INFO, "instance" => config.instance_id.clone(), "backend" => config.backend.as_str())
+        .set(1.0);
+    let limiter = Arc::new(Limiter::new(config, store, clock));
+    AppState::new(limiter, handle, &config.instance_id)
+}
+
+/// Serves `state` on `listener` until `shutdown` completes, then finishes
+/// the requests in flight.
+pub async fn serve(
+    listener: TcpListener,
+    state: AppState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    // Histograms are drained on render; upkeep bounds memory if nobody scrapes.
+    let handle = state.metrics.clone();
+    let upkeep = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            tick.tick().await;
+            handle.run_upkeep();
+        }
+    });
+    let router = app(state);
+    let result = axum::serve(
+        listener,
+        router.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await;
+    upkeep.abort();
+    result
+}
+
+/// Completes on ctrl-c or SIGTERM (what `docker stop` and systemd send).
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::error!(error = %e, "cannot listen for ctrl-c");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = terminate => {},
+    }
+    tracing::info!("shutdown signal received; finishing requests in flight");
+}

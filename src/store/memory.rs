@@ -1,0 +1,308 @@
+//! The in-process store: concurrent, sharded, memory bounded.
+//!
+//! Buckets live in `shards` hash maps, each behind its own `std::sync::Mutex`
+//! (not a tokio one: nothing awaits while it is held, and the critical
+//! section is a hash lookup and a few integer operations). The shard is chosen
+//! from the key's high bits and the map hashes its low bits: keys are keyed
+//! hashes already, so hashing them again would be wasted work, and a client
+//! cannot aim many keys at one shard.
+//!
+//! # Memory bound
+//! No entry means a full bucket. An entry whose bucket has refilled to full
+//! (`now >= full_at`) is therefore equivalent to no entry and can be dropped
+//! without changing any decision. When a shard reaches its share of
+//! `max_keys`, it first sweeps such idle entries. Only if that frees less than
+//! an eighth of the shard does it evict the entries closest to full (earliest
+//! `full_at`): those grant the least extra quota when forgotten. That second
+//! kind of eviction is the one inexact path and is counted separately
+//! (`ratelimit_memory_evictions_total{reason="pressure"}`), so an undersized
+//! `max_keys` shows on the dashboard instead of silently loosening limits.
+
+use super::{BoxFuture, BucketKey, Store, StoreError};
+use crate::bucket::{self, BucketState, CostExceedsBurst, Decision, Limit};
+use crate::clock::Micros;
+use crate::metrics as m;
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
+
+/// Hashes a [`BucketKey`] by taking its low 64 bits (see the module docs).
+#[derive(Default)]
+struct KeyBitsHasher(u64);
+
+impl Hasher for KeyBitsHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        // Only reached if a non-u128 type is hashed with this hasher; fold
+        // the bytes in so it still works, if slowly.
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u128(&mut self, n: u128) {
+        self.0 = n as u64;
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    state: BucketState,
+    /// When the bucket is full again if nothing more is spent.
+    full_at: Micros,
+}
+
+type Map = HashMap<BucketKey, Entry, BuildHasherDefault<KeyBitsHasher>>;
+
+/// In-memory bucket store. See the module documentation.
+#[derive(Debug)]
+pub struct MemoryStore {
+    shards: Box<[Mutex<Map>]>,
+    shard_bits: u32,
+    per_shard: usize,
+    pressure_evictions: AtomicU64,
+}
+
+impl MemoryStore {
+    /// A store holding at most about `max_keys` buckets in `shards` shards
+    /// (rounded up to a power of two). Both are at least 1.
+    pub fn new(max_keys: usize, shards: usize) -> Self {
+        let shards = shards.max(1).next_power_of_two();
+        let per_shard = max_keys.max(1).div_ceil(shards);
+        Self {
+            shards: (0..shards).map(|_| Mutex::new(Map::default())).collect(),
+            shard_bits: shards.trailing_zeros(),
+            per_shard,
+            pressure_evictions: AtomicU64::new(0),
+        }
+    }
+
+    fn shard(&self, key: BucketKey) -> &Mutex<Map> {
+        let index = if self.shard_bits == 0 {
+            0
+        } else {
+            (key.0 >> (128 - self.shard_bits)) as usize
+        };
+        &self.shards[index]
+    }
+
+    /// The synchronous check behind [`Store::check`].
+    pub fn check_sync(
+        &self,
+        key: BucketKey,
+        limit: &Limit,
+        cost: u64,
+        now: Micros,
+    ) -> Result<Decision, CostExceedsBurst> {
+        // Poisoning cannot leave a map half-updated (every update is one
+        // insert or remove), so a poisoned lock is safe to keep using.
+        let mut map = self.shard(key).lock().unwrap_or_else(PoisonError::into_inner);
+        let previous = map.get(&key).map(|e| e.state);
+        let (decision, state) = bucket::check(limit, previous, cost, now)?;
+        if decision.reset.is_zero() {
+            // Full again: the same as no entry, so keep none.
+            if previous.is_some() {
+                map.remove(&key);
+            }
+            return Ok(decision);
+        }
+        if previous.is_none() && map.len() >= self.per_shard {
+            let pressure = make_room(&mut map, self.per_shard, now);
+            if pressure > 0 {
+                self.pressure_evictions.fetch_add(pressure, Ordering::Relaxed);
+            }
+        }
+        let wait = u64::try_from(decision.reset.as_micros()).unwrap_or(u64::MAX);
+        map.insert(
+            key,
+            Entry {
+                state,
+                full_at: now.saturating_add(wait),
+            },
+        );
+        Ok(decision)
+    }
+
+    /// Buckets currently held (all shards; a snapshot).
+    pub fn len(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| s.lock().unwrap_or_else(PoisonError::into_inner).len())
+            .sum()
+    }
+
+    /// Whether no bucket is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Entries evicted before they were full again (the inexact path), ever.
+    pub fn pressure_evictions(&self) -> u64 {
+        self.pressure_evictions.load(Ordering::Relaxed)
+    }
+
+    /// The most buckets this store holds at once.
+    pub fn capacity(&self) -> usize {
+        self.per_shard * self.shards.len()
+    }
+}
+
+/// Frees at least an eighth of a full shard: idle entries first (exact),
+/// then those closest to full. Returns how many of the latter (pressure
+/// evictions) it made.
+fn make_room(map: &mut Map, per_shard: usize, now: Micros) -> u64 {
+    let want_free = (per_shard / 8).max(1);
+    let before = map.len();
+    map.retain(|_, e| e.full_at > now);
+    let idle = before - map.len();
+    if idle > 0 {
+        metrics::counter!(m::MEMORY_EVICTIONS_TOTAL, "reason" => "idle").increment(idle as u64);
+    }
+    let target = per_shard.saturating_sub(want_free);
+    if map.len() > target {
+        let excess = map.len() - target;
+        let mut by_full_at: Vec<(Micros, BucketKey)> =
+            map.iter().map(|(k, e)| (e.full_at, *k)).collect();
+        by_full_at.select_nth_unstable(excess - 1);
+        for (_, key) in &by_full_at[..excess] {
+            map.remove(key);
+        }
+        metrics::counter!(m::MEMORY_EVICTIONS_TOTAL, "reason" => "pressure")
+            .increment(excess as u64);
+        return excess as u64;
+    }
+    0
+}
+
+impl Store for MemoryStore {
+    fn check(
+        &self,
+        key: BucketKey,
+        limit: Limit,
+        cost: u64,
+        now: Micros,
+    ) -> BoxFuture<'_, Result<Decision, StoreError>> {
+        let result = self.check_sync(key, &limit, cost, now).map_err(StoreError::from);
+        Box::pin(std::future::ready(result))
+    }
+
+    fn backend(&self) -> &'static str {
+        "memory"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::sync::Arc;
+
+    const T0: Micros = 1_700_000_000_000_000;
+
+    fn limit() -> Limit {
+        Limit::per_second(10, 5).unwrap()
+    }
+
+    #[test]
+    fn keys_are_independent() {
+        let store = MemoryStore::new(1000, 4);
+        for _ in 0..10 {
+            assert!(store.check_sync(BucketKey(1), &limit(), 1, T0).unwrap().allowed);
+        }
+        assert!(!store.check_sync(BucketKey(1), &limit(), 1, T0).unwrap().allowed);
+        assert!(store.check_sync(BucketKey(2), &limit(), 1, T0).unwrap().allowed);
+    }
+
+    #[test]
+    fn full_buckets_hold_no_entry() {
+        let store = MemoryStore::new(1000, 4);
+        store.check_sync(BucketKey(7), &limit(), 0, T0).unwrap();
+        assert!(store.is_empty(), "a peek at a full bucket stored something");
+        store.check_sync(BucketKey(7), &limit(), 1, T0).unwrap();
+        assert_eq!(store.len(), 1);
+        // 1 token at 5/s is back after 200 ms: the entry goes.
+        store.check_sync(BucketKey(7), &limit(), 0, T0 + 200_000).unwrap();
+        assert!(store.is_empty());
+    }
+
+    #[test]
+    fn concurrent_checks_never_over_admit() {
+        let store = Arc::new(MemoryStore::new(1000, 8));
+        let limit = Limit::per_second(1000, 1).unwrap();
+        let admitted: usize = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..4)
+                .map(|_| {
+                    let store = &store;
+                    s.spawn(move || {
+                        (0..600)
+                            .filter(|_| store.check_sync(BucketKey(9), &limit, 1, T0).unwrap().allowed)
+                            .count()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).sum()
+        });
+        assert_eq!(admitted, 1000);
+    }
+
+    #[test]
+    fn memory_stays_bounded_under_many_keys() {
+        let store = MemoryStore::new(256, 4);
+        for k in 0..10_000u128 {
+            // Spread keys over shards like real keyed hashes do.
+            let key = BucketKey(k.wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835));
+            store.check_sync(key, &limit(), 1, T0).unwrap();
+        }
+        assert!(store.len() <= store.capacity(), "{} > {}", store.len(), store.capacity());
+        assert!(store.pressure_evictions() > 0, "10k live buckets in 256 slots must evict");
+    }
+
+    proptest! {
+        /// Evicting idle (full-again) entries never changes a decision: a
+        /// small store that must sweep often answers exactly like a store
+        /// large enough never to evict, for as long as it has not had to
+        /// evict a bucket that was still refilling.
+        #[test]
+        fn idle_eviction_changes_no_decision(
+            ops in prop::collection::vec((0u128..24, 0u64..3, 0u64..120_000), 1..400)
+        ) {
+            // Burst 2 at 10/s: a bucket is full again at most 200 ms after
+            // its last spend, so many of the 24 keys go idle between uses.
+            let limit = Limit::per_second(2, 10).unwrap();
+            let small = MemoryStore::new(16, 1);
+            let big = MemoryStore::new(1 << 20, 1);
+            let mut now = T0;
+            for (k, cost, dt) in ops {
+                now += dt;
+                let key = BucketKey(k);
+                let a = small.check_sync(key, &limit, cost, now).unwrap();
+                let b = big.check_sync(key, &limit, cost, now).unwrap();
+                if small.pressure_evictions() > 0 {
+                    break;
+                }
+                prop_assert_eq!(a, b);
+            }
+        }
+    }
+
+    #[test]
+    fn sweep_removes_only_idle_entries_and_keeps_decisions() {
+        // 8 slots, one shard. Fill 7 with spent buckets that refill in
+        // 200 ms, and one that refills in 10 s.
+        let store = MemoryStore::new(8, 1);
+        let fast = Limit::per_second(1, 5).unwrap();
+        let slow_limit = Limit::new(1, 1, std::time::Duration::from_secs(10)).unwrap();
+        for k in 0..7 {
+            store.check_sync(BucketKey(k), &fast, 1, T0).unwrap();
+        }
+        store.check_sync(BucketKey(100), &slow_limit, 1, T0).unwrap();
+        assert_eq!(store.len(), 8);
+        // 1 s later the fast ones are full (idle); a new key forces a sweep.
+        store.check_sync(BucketKey(200), &fast, 1, T0 + 1_000_000).unwrap();
+        assert_eq!(store.len(), 2, "only the idle entries should have gone");
+        // The slow bucket kept its state: still empty.
+        assert!(!store.check_sync(BucketKey(100), &slow_limit, 1, T0 + 1_000_000).unwrap().allowed);
+    }
+}

@@ -1,0 +1,74 @@
+//! Where bucket state lives, behind one narrow trait.
+//!
+//! A store answers one question: "check `cost` against bucket `key` shaped
+//! `limit` at `now`". It does not pick keys, read clocks or decide what a
+//! failure means; those belong to the limiter and to wrappers around a store.
+//! The trait is object safe (boxed futures) so the backend can be chosen at
+//! start-up from the config; the in-memory store also exposes a synchronous
+//! method for callers that can use it directly.
+
+mod memory;
+
+pub use memory::MemoryStore;
+
+use crate::bucket::{CostExceedsBurst, Decision, Limit};
+use crate::clock::Micros;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+
+/// A boxed, sendable future, as returned by [`Store::check`].
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The key of one bucket: a keyed 128-bit hash of (policy, client identity).
+///
+/// Being a keyed hash, it is uniformly distributed and cannot be steered by
+/// clients, which is what lets stores use its bits directly for sharding and
+/// hashing, and it never reveals the credential or address it came from.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BucketKey(pub u128);
+
+impl fmt::Debug for BucketKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "BucketKey({self})")
+    }
+}
+
+impl fmt::Display for BucketKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:032x}", self.0)
+    }
+}
+
+/// Why a store could not decide.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The request can never fit the bucket (a configuration error).
+    #[error(transparent)]
+    CostExceedsBurst(#[from] CostExceedsBurst),
+}
+
+impl StoreError {
+    /// The bounded label used for this error in metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            StoreError::CostExceedsBurst(_) => "cost_exceeds_burst",
+        }
+    }
+}
+
+/// Shared bucket state.
+pub trait Store: Send + Sync + fmt::Debug + 'static {
+    /// Decide a request of `cost` tokens for bucket `key` at `now`, and
+    /// record the spend if admitted.
+    fn check(
+        &self,
+        key: BucketKey,
+        limit: Limit,
+        cost: u64,
+        now: Micros,
+    ) -> BoxFuture<'_, Result<Decision, StoreError>>;
+
+    /// The backend's name, as used in metric labels and logs.
+    fn backend(&self) -> &'static str;
+}
