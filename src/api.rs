@@ -61,9 +61,21 @@ struct Item {
 }
 
 const ITEMS: [Item; 3] = [
-    Item { id: 1, name: "token", price_cents: 100 },
-    Item { id: 2, name: "bucket", price_cents: 2_500 },
-    Item { id: 3, name: "sliding window", price_cents: 4_000 },
+    Item {
+        id: 1,
+        name: "token",
+        price_cents: 100,
+    },
+    Item {
+        id: 2,
+        name: "bucket",
+        price_cents: 2_500,
+    },
+    Item {
+        id: 3,
+        name: "sliding window",
+        price_cents: 4_000,
+    },
 ];
 
 async fn list_items() -> Json<&'static [Item]> {
@@ -78,7 +90,12 @@ fn problem(status: StatusCode, slug: &str, title: &'static str, detail: String) 
 async fn get_item(Path(id): Path<u32>) -> Response {
     match ITEMS.iter().find(|i| i.id == id) {
         Some(item) => Json(item).into_response(),
-        None => problem(StatusCode::NOT_FOUND, "not-found", "Not Found", format!("no item {id}")),
+        None => problem(
+            StatusCode::NOT_FOUND,
+            "not-found",
+            "Not Found",
+            format!("no item {id}"),
+        ),
     }
 }
 
@@ -170,6 +187,9 @@ pub fn app(state: AppState) -> Router {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
-        .layer(axum::middleware::map_response_with_state(state.clone(), add_instance_id))
+        .layer(axum::middleware::map_response_with_state(
+            state.clone(),
+            add_instance_id,
+        ))
         .with_state(state)
 }

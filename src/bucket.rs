@@ -50,7 +50,9 @@ pub enum LimitError {
     #[error("period must be at least 1 microsecond")]
     ZeroPeriod,
     /// `burst × period` exceeds 2^53, where doubles (and so Lua) stop being exact.
-    #[error("burst x period (in microseconds) must not exceed 2^53; use a shorter period or a smaller burst")]
+    #[error(
+        "burst x period (in microseconds) must not exceed 2^53; use a shorter period or a smaller burst"
+    )]
     TooLarge,
 }
 

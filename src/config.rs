@@ -46,7 +46,11 @@ impl Backend {
 
 /// Command-line flags; each can also come from the environment.
 #[derive(Debug, Clone, Default, Parser)]
-#[command(name = "ratelimiter", version, about = "A sample API behind an exact, observable rate limiter")]
+#[command(
+    name = "ratelimiter",
+    version,
+    about = "A sample API behind an exact, observable rate limiter"
+)]
 pub struct Cli {
     /// Address to listen on [default: 127.0.0.1:8080]
     #[arg(long, env = "RL_LISTEN")]
@@ -61,7 +65,11 @@ pub struct Cli {
     #[arg(long, env = "RL_INSTANCE_ID")]
     pub instance_id: Option<String>,
     /// A proxy whose X-Forwarded-For is believed (CIDR or address; repeatable)
-    #[arg(long = "trusted-proxy", env = "RL_TRUSTED_PROXIES", value_delimiter = ',')]
+    #[arg(
+        long = "trusted-proxy",
+        env = "RL_TRUSTED_PROXIES",
+        value_delimiter = ','
+    )]
     pub trusted_proxies: Vec<String>,
     /// Secret for hashing client identities; instances sharing a store must share it [default: random]
     #[arg(long, env = "RL_KEY_SECRET", hide_env_values = true)]
@@ -277,7 +285,12 @@ fn limit_error(e: LimitError) -> String {
     e.to_string()
 }
 
-fn build_limit(field: &str, burst: u64, rate: u64, per: Option<&str>) -> Result<Limit, ConfigError> {
+fn build_limit(
+    field: &str,
+    burst: u64,
+    rate: u64,
+    per: Option<&str>,
+) -> Result<Limit, ConfigError> {
     let period = match per {
         Some(p) => parse_period(p).map_err(|m| invalid(format!("{field}.per"), m))?,
         None => Duration::from_secs(1),
@@ -297,7 +310,12 @@ fn parse_proxy(field: &str, text: &str) -> Result<IpNet, ConfigError> {
     let text = text.trim();
     text.parse::<IpNet>()
         .or_else(|_| text.parse::<std::net::IpAddr>().map(IpNet::from))
-        .map_err(|_| invalid(field, format!("{text:?} is not a CIDR block or an IP address")))
+        .map_err(|_| {
+            invalid(
+                field,
+                format!("{text:?} is not a CIDR block or an IP address"),
+            )
+        })
 }
 
 fn default_instance_id() -> String {
@@ -308,7 +326,11 @@ fn default_instance_id() -> String {
         .filter(|h| valid_name(h))
         .unwrap_or_else(|| "instance".into());
     let id = format!("{host}-{}", std::process::id());
-    if valid_name(&id) { id } else { format!("instance-{}", std::process::id()) }
+    if valid_name(&id) {
+        id
+    } else {
+        format!("instance-{}", std::process::id())
+    }
 }
 
 fn parse_hex32(text: &str) -> Option<[u8; 32]> {
@@ -367,7 +389,10 @@ impl Config {
             .or(file.instance_id)
             .unwrap_or_else(default_instance_id);
         if !valid_name(&instance_id) {
-            return Err(invalid("instance_id", "must be 1-64 characters of [A-Za-z0-9_.-]"));
+            return Err(invalid(
+                "instance_id",
+                "must be 1-64 characters of [A-Za-z0-9_.-]",
+            ));
         }
 
         let proxies = if cli.trusted_proxies.is_empty() {
@@ -399,13 +424,19 @@ impl Config {
             return Err(invalid("ipv6_prefix", "must be between 0 and 128"));
         }
 
-        let max_keys = cli.memory_max_keys.or(file.memory.max_keys).unwrap_or(1_000_000);
+        let max_keys = cli
+            .memory_max_keys
+            .or(file.memory.max_keys)
+            .unwrap_or(1_000_000);
         if max_keys == 0 {
             return Err(invalid("memory.max_keys", "must be at least 1"));
         }
         let shards = cli.memory_shards.or(file.memory.shards).unwrap_or(64);
         if shards == 0 || !shards.is_power_of_two() || shards > 4096 {
-            return Err(invalid("memory.shards", "must be a power of two from 1 to 4096"));
+            return Err(invalid(
+                "memory.shards",
+                "must be a power of two from 1 to 4096",
+            ));
         }
 
         let api_keys = Self::api_keys(file.api_keys)?;
@@ -432,7 +463,10 @@ impl Config {
         for (i, k) in list.into_iter().enumerate() {
             let field = format!("api_keys[{i}]");
             if !valid_name(&k.id) {
-                return Err(invalid(format!("{field}.id"), "must be 1-64 characters of [A-Za-z0-9_.-]"));
+                return Err(invalid(
+                    format!("{field}.id"),
+                    "must be 1-64 characters of [A-Za-z0-9_.-]",
+                ));
             }
             let sha256 = match (k.key, k.key_sha256) {
                 (Some(key), None) => {
@@ -455,7 +489,10 @@ impl Config {
                 }
             };
             if out.iter().any(|o| o.id == k.id) {
-                return Err(invalid(format!("{field}.id"), format!("duplicate id {:?}", k.id)));
+                return Err(invalid(
+                    format!("{field}.id"),
+                    format!("duplicate id {:?}", k.id),
+                ));
             }
             if out.iter().any(|o| o.sha256 == sha256) {
                 return Err(invalid(&field, "the same key is configured twice"));
@@ -470,10 +507,16 @@ impl Config {
         for (i, p) in list.into_iter().enumerate() {
             let field = format!("policies[{i}]");
             if !valid_name(&p.name) {
-                return Err(invalid(format!("{field}.name"), "must be 1-64 characters of [A-Za-z0-9_.-]"));
+                return Err(invalid(
+                    format!("{field}.name"),
+                    "must be 1-64 characters of [A-Za-z0-9_.-]",
+                ));
             }
             if out.iter().any(|o| o.name == p.name) {
-                return Err(invalid(format!("{field}.name"), format!("duplicate policy {:?}", p.name)));
+                return Err(invalid(
+                    format!("{field}.name"),
+                    format!("duplicate policy {:?}", p.name),
+                ));
             }
             if !p.route.starts_with('/') {
                 return Err(invalid(format!("{field}.route"), "must start with '/'"));
@@ -484,36 +527,76 @@ impl Config {
                 .iter()
                 .enumerate()
                 .map(|(j, m)| {
-                    http::Method::from_bytes(m.to_ascii_uppercase().as_bytes())
-                        .map_err(|_| invalid(format!("{field}.methods[{j}]"), format!("{m:?} is not an HTTP method")))
+                    http::Method::from_bytes(m.to_ascii_uppercase().as_bytes()).map_err(|_| {
+                        invalid(
+                            format!("{field}.methods[{j}]"),
+                            format!("{m:?} is not an HTTP method"),
+                        )
+                    })
                 })
                 .collect::<Result<Vec<_>, _>>()?;
             let cost = p.cost.unwrap_or(1);
             let (limit, anonymous) = if p.unlimited {
-                if p.burst.is_some() || p.rate.is_some() || p.anonymous.is_some() || p.cost.is_some() {
-                    return Err(invalid(&field, "an unlimited policy takes no burst, rate, cost or anonymous limit"));
+                if p.burst.is_some()
+                    || p.rate.is_some()
+                    || p.anonymous.is_some()
+                    || p.cost.is_some()
+                {
+                    return Err(invalid(
+                        &field,
+                        "an unlimited policy takes no burst, rate, cost or anonymous limit",
+                    ));
                 }
                 (None, None)
             } else {
-                let burst = p.burst.ok_or_else(|| invalid(format!("{field}.burst"), "is required (or set unlimited = true)"))?;
-                let rate = p.rate.ok_or_else(|| invalid(format!("{field}.rate"), "is required (or set unlimited = true)"))?;
+                let burst = p.burst.ok_or_else(|| {
+                    invalid(
+                        format!("{field}.burst"),
+                        "is required (or set unlimited = true)",
+                    )
+                })?;
+                let rate = p.rate.ok_or_else(|| {
+                    invalid(
+                        format!("{field}.rate"),
+                        "is required (or set unlimited = true)",
+                    )
+                })?;
                 let limit = build_limit(&field, burst, rate, p.per.as_deref())?;
                 let anonymous = match &p.anonymous {
-                    Some(a) => build_limit(&format!("{field}.anonymous"), a.burst, a.rate, a.per.as_deref())?,
+                    Some(a) => build_limit(
+                        &format!("{field}.anonymous"),
+                        a.burst,
+                        a.rate,
+                        a.per.as_deref(),
+                    )?,
                     None => limit,
                 };
                 for (l, f) in [(limit, "burst"), (anonymous, "anonymous.burst")] {
                     if cost > l.burst() {
                         return Err(invalid(
                             format!("{field}.cost"),
-                            format!("{cost} exceeds {f} {}: no request could ever be admitted", l.burst()),
+                            format!(
+                                "{cost} exceeds {f} {}: no request could ever be admitted",
+                                l.burst()
+                            ),
                         ));
                     }
                 }
                 (Some(limit), Some(anonymous))
             };
-            if out.iter().any(|o| o.route == p.route && (o.methods.is_empty() || methods.is_empty() || o.methods.iter().any(|m| methods.contains(m)))) {
-                return Err(invalid(format!("{field}.route"), format!("route {:?} overlaps an earlier policy for the same methods", p.route)));
+            if out.iter().any(|o| {
+                o.route == p.route
+                    && (o.methods.is_empty()
+                        || methods.is_empty()
+                        || o.methods.iter().any(|m| methods.contains(m)))
+            }) {
+                return Err(invalid(
+                    format!("{field}.route"),
+                    format!(
+                        "route {:?} overlaps an earlier policy for the same methods",
+                        p.route
+                    ),
+                ));
             }
             out.push(PolicyConfig {
                 name: p.name,

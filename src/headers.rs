@@ -175,9 +175,15 @@ mod tests {
         assert_eq!(get(&h, "ratelimit"), "\"api\";r=0;t=1");
         assert_eq!(get(&h, "ratelimit-reset"), "10");
         d.retry_after = Duration::from_micros(2_000_001);
-        assert_eq!(get(&rate_limit_headers("api", &limit, &d), "retry-after"), "3");
+        assert_eq!(
+            get(&rate_limit_headers("api", &limit, &d), "retry-after"),
+            "3"
+        );
         d.retry_after = Duration::from_secs(2);
-        assert_eq!(get(&rate_limit_headers("api", &limit, &d), "retry-after"), "2");
+        assert_eq!(
+            get(&rate_limit_headers("api", &limit, &d), "retry-after"),
+            "2"
+        );
         d.retry_after = Duration::ZERO;
         assert_eq!(retry_after_secs(&d), 1);
     }
@@ -186,16 +192,35 @@ mod tests {
     fn policy_window_rounds_up_for_slow_rates() {
         // 5 tokens, 1 per 3 s: empty to full takes 15 s; 2 per 3 s: 7.5 s -> 8.
         let slow = Limit::new(5, 1, Duration::from_secs(3)).unwrap();
-        let d = Decision { allowed: true, limit: 5, remaining: 5, retry_after: Duration::ZERO, reset: Duration::ZERO };
-        assert_eq!(get(&rate_limit_headers("p", &slow, &d), "ratelimit-policy"), "\"p\";q=5;w=15");
+        let d = Decision {
+            allowed: true,
+            limit: 5,
+            remaining: 5,
+            retry_after: Duration::ZERO,
+            reset: Duration::ZERO,
+        };
+        assert_eq!(
+            get(&rate_limit_headers("p", &slow, &d), "ratelimit-policy"),
+            "\"p\";q=5;w=15"
+        );
         let odd = Limit::new(5, 2, Duration::from_secs(3)).unwrap();
-        assert_eq!(get(&rate_limit_headers("p", &odd, &d), "ratelimit-policy"), "\"p\";q=5;w=8");
+        assert_eq!(
+            get(&rate_limit_headers("p", &odd, &d), "ratelimit-policy"),
+            "\"p\";q=5;w=8"
+        );
     }
 
     #[test]
     fn problem_body_is_rfc9457() {
-        let d = Decision { allowed: false, limit: 1, remaining: 0, retry_after: Duration::from_millis(1500), reset: Duration::from_secs(2) };
-        let v: serde_json::Value = serde_json::from_str(&Problem::rate_limited("api", &d).to_json()).unwrap();
+        let d = Decision {
+            allowed: false,
+            limit: 1,
+            remaining: 0,
+            retry_after: Duration::from_millis(1500),
+            reset: Duration::from_secs(2),
+        };
+        let v: serde_json::Value =
+            serde_json::from_str(&Problem::rate_limited("api", &d).to_json()).unwrap();
         assert_eq!(v["type"], "/problems/rate-limited");
         assert_eq!(v["status"], 429);
         assert_eq!(v["title"], "Too Many Requests");

@@ -51,7 +51,9 @@ pub enum IdentityError {
     #[error("the request carries more than one different API key")]
     ApiKeyConflict,
     /// `X-Forwarded-For` from a trusted proxy that is too long.
-    #[error("X-Forwarded-For is longer than {MAX_FORWARDED_FOR_LEN} bytes or {MAX_FORWARDED_FOR_HOPS} addresses")]
+    #[error(
+        "X-Forwarded-For is longer than {MAX_FORWARDED_FOR_LEN} bytes or {MAX_FORWARDED_FOR_HOPS} addresses"
+    )]
     ForwardedForTooLong,
     /// `X-Forwarded-For` from a trusted proxy with an entry that is not an address.
     #[error("X-Forwarded-For holds an entry that is not an IP address")]
@@ -170,10 +172,8 @@ impl Identifier {
         peer: Option<IpAddr>,
     ) -> Result<(Identity, KeyKind), IdentityError> {
         let presented = api_key(headers)?;
-        if let Some(key) = presented {
-            if let Some(id) = self.api_keys.verify(key) {
-                return Ok((Identity::ApiKey(id), KeyKind::ApiKey));
-            }
+        if let Some(id) = presented.and_then(|key| self.api_keys.verify(key)) {
+            return Ok((Identity::ApiKey(id), KeyKind::ApiKey));
         }
         let ip = self.client_ip(headers, peer.ok_or(IdentityError::NoPeerAddress)?)?;
         let kind = if presented.is_some() {

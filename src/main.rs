@@ -11,13 +11,15 @@ use std::sync::Arc;
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
+        .with_writer(std::io::stderr)
         .init();
     let config = Config::load(Cli::parse())?;
     if config.key_secret.is_none() {
-        tracing::warn!("key_secret not set: identities are hashed with a random per-process key; set RL_KEY_SECRET when instances share a store");
+        tracing::warn!(
+            "key_secret not set: identities are hashed with a random per-process key; set RL_KEY_SECRET when instances share a store"
+        );
     }
     let state = server::build_state(&config, Arc::new(SystemClock));
     let listener = tokio::net::TcpListener::bind(config.listen)

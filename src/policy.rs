@@ -76,7 +76,8 @@ impl Policies {
     /// The policy for a route template and method, if any.
     pub fn find(&self, route: &str, method: &Method) -> Option<&Arc<RoutePolicy>> {
         self.list.iter().find(|p| {
-            route.starts_with(p.route.as_str()) && (p.methods.is_empty() || p.methods.contains(method))
+            route.starts_with(p.route.as_str())
+                && (p.methods.is_empty() || p.methods.contains(method))
         })
     }
 }
@@ -121,7 +122,8 @@ pub struct Limiter {
 impl Limiter {
     /// Builds a limiter from validated config, a store and a clock.
     pub fn new(config: &Config, store: Arc<dyn Store>, clock: Arc<dyn Clock>) -> Self {
-        let api_keys = ApiKeys::from_digests(config.api_keys.iter().map(|k| (k.id.clone(), k.sha256)));
+        let api_keys =
+            ApiKeys::from_digests(config.api_keys.iter().map(|k| (k.id.clone(), k.sha256)));
         let secret = config.key_secret.unwrap_or_else(|| {
             let mut secret = [0u8; 16];
             // Without OS randomness the process cannot keep identities
@@ -131,7 +133,11 @@ impl Limiter {
         });
         Self {
             policies: Policies::new(&config.policies),
-            identifier: Identifier::new(api_keys, config.trusted_proxies.clone(), config.ipv6_prefix),
+            identifier: Identifier::new(
+                api_keys,
+                config.trusted_proxies.clone(),
+                config.ipv6_prefix,
+            ),
             hasher: KeyHasher::new(secret),
             store,
             clock,
@@ -166,12 +172,19 @@ impl Limiter {
         };
         let key = self.hasher.bucket_key(&policy.name, &identity);
         let started = Instant::now();
-        let result = self.store.check(key, limit, policy.cost, self.clock.now()).await;
+        let result = self
+            .store
+            .check(key, limit, policy.cost, self.clock.now())
+            .await;
         metrics::histogram!(m::CHECK_DURATION_SECONDS, "backend" => self.store.backend())
             .record(started.elapsed().as_secs_f64());
         match result {
             Ok(decision) => {
-                let verdict = if decision.allowed { "allowed" } else { "denied" };
+                let verdict = if decision.allowed {
+                    "allowed"
+                } else {
+                    "denied"
+                };
                 metrics::counter!(
                     m::DECISIONS_TOTAL,
                     "policy" => policy.name.to_string(),
@@ -238,8 +251,14 @@ mod tests {
         let p = Policies::new(&c.policies);
         let name = |route, method| p.find(route, &method).map(|p| p.name.to_string());
         assert_eq!(name("/api/items", Method::GET).as_deref(), Some("api"));
-        assert_eq!(name("/api/orders", Method::POST).as_deref(), Some("orders-write"));
-        assert_eq!(name("/api/orders/{id}", Method::GET).as_deref(), Some("orders"));
+        assert_eq!(
+            name("/api/orders", Method::POST).as_deref(),
+            Some("orders-write")
+        );
+        assert_eq!(
+            name("/api/orders/{id}", Method::GET).as_deref(),
+            Some("orders")
+        );
         assert_eq!(name("/api/orders", Method::DELETE).as_deref(), Some("api"));
         assert_eq!(name("/healthz", Method::GET), None);
         let status = p.find("/api/status", &Method::GET).unwrap();

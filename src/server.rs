@@ -15,7 +15,10 @@ use tokio::net::TcpListener;
 /// Builds the shared state of one instance from validated config.
 pub fn build_state(config: &Config, clock: Arc<dyn Clock>) -> AppState {
     let store: Arc<dyn Store> = match config.backend {
-        Backend::Memory => Arc::new(MemoryStore::new(config.memory.max_keys, config.memory.shards)),
+        Backend::Memory => Arc::new(MemoryStore::new(
+            config.memory.max_keys,
+            config.memory.shards,
+        )),
     };
     let handle = m::install();
     metrics::gauge!(m::INSTANCE_INFO, "instance" => config.instance_id.clone(), "backend" => config.backend.as_str())

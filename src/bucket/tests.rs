@@ -312,7 +312,10 @@ fn zero_cost_peeks_without_spending() {
 fn limit_validation_names_the_problem() {
     assert_eq!(Limit::per_second(0, 1), Err(LimitError::ZeroBurst));
     assert_eq!(Limit::per_second(1, 0), Err(LimitError::ZeroRate));
-    assert_eq!(Limit::new(1, 1, Duration::from_nanos(10)), Err(LimitError::ZeroPeriod));
+    assert_eq!(
+        Limit::new(1, 1, Duration::from_nanos(10)),
+        Err(LimitError::ZeroPeriod)
+    );
     assert_eq!(
         Limit::new(u64::MAX / 2, 1, Duration::from_secs(1)),
         Err(LimitError::TooLarge)
@@ -327,7 +330,10 @@ fn limit_validation_names_the_problem() {
 #[test]
 fn corrupt_state_cannot_exceed_capacity() {
     let limit = Limit::per_second(3, 1).unwrap();
-    let bogus = BucketState { tokens: u64::MAX, last: 0 };
+    let bogus = BucketState {
+        tokens: u64::MAX,
+        last: 0,
+    };
     let (d, s) = check(&limit, Some(bogus), 1, 0).unwrap();
     assert_eq!(d.remaining, 2);
     assert_eq!(s.tokens, 2 * limit.units_per_token());

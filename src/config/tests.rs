@@ -6,7 +6,13 @@ fn no_file_gives_the_documented_defaults() {
     assert_eq!(c.listen, "127.0.0.1:8080".parse().unwrap());
     assert_eq!(c.backend, Backend::Memory);
     assert_eq!(c.ipv6_prefix, 64);
-    assert_eq!(c.memory, MemoryConfig { max_keys: 1_000_000, shards: 64 });
+    assert_eq!(
+        c.memory,
+        MemoryConfig {
+            max_keys: 1_000_000,
+            shards: 64
+        }
+    );
     assert!(c.trusted_proxies.is_empty());
     assert!(c.key_secret.is_none());
     assert_eq!(c.policies, default_policies());
@@ -29,7 +35,10 @@ fn flags_override_the_file() {
     let c = Config::load(cli).unwrap();
     assert_eq!(c.listen.port(), 2);
     assert_eq!(c.instance_id, "from-file");
-    assert_eq!(c.trusted_proxies, vec!["10.0.0.0/8".parse::<IpNet>().unwrap()]);
+    assert_eq!(
+        c.trusted_proxies,
+        vec!["10.0.0.0/8".parse::<IpNet>().unwrap()]
+    );
     let cli = Cli {
         config: Some(path),
         trusted_proxies: vec!["127.0.0.1".into()],
@@ -66,10 +75,17 @@ fn cli_reads_env_names_and_flags() {
 
 #[test]
 fn the_example_config_is_valid() {
-    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/example.toml")).unwrap();
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/example.toml"))
+        .unwrap();
     let c = Config::from_toml(&text).unwrap();
-    assert!(c.policies.iter().any(|p| p.limit.is_none()), "example shows an unlimited route");
-    assert!(c.policies.iter().any(|p| p.limit != p.anonymous), "example shows an anonymous limit");
+    assert!(
+        c.policies.iter().any(|p| p.limit.is_none()),
+        "example shows an unlimited route"
+    );
+    assert!(
+        c.policies.iter().any(|p| p.limit != p.anonymous),
+        "example shows an anonymous limit"
+    );
     assert!(!c.api_keys.is_empty());
 }
 
@@ -103,7 +119,11 @@ fn each_bad_config_fixture_is_refused_naming_its_field() {
             Ok(_) => panic!("{} was accepted", path.display()),
             Err(e) => e.to_string(),
         };
-        assert!(err.contains(field), "{}: error {err:?} does not name {field:?}", path.display());
+        assert!(
+            err.contains(field),
+            "{}: error {err:?} does not name {field:?}",
+            path.display()
+        );
         checked += 1;
     }
     assert!(checked >= 15, "only {checked} fixtures found");

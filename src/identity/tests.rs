@@ -34,7 +34,10 @@ fn verified_api_key_wins_over_address() {
     assert_eq!(who, Identity::ApiKey("tenant-a".into()));
     assert_eq!(kind, KeyKind::ApiKey);
     let (who, _) = id
-        .identify(&headers(&[("authorization", "Bearer key-a")]), Some(ip("10.0.0.1")))
+        .identify(
+            &headers(&[("authorization", "Bearer key-a")]),
+            Some(ip("10.0.0.1")),
+        )
         .unwrap();
     assert_eq!(who, Identity::ApiKey("tenant-a".into()));
 }
@@ -67,10 +70,16 @@ fn malformed_api_keys_are_errors() {
         Err(IdentityError::ApiKeyInvalid)
     );
     let mut h = HeaderMap::new();
-    h.insert("x-api-key", HeaderValue::from_bytes(b"caf\xc3\xa9").unwrap());
+    h.insert(
+        "x-api-key",
+        HeaderValue::from_bytes(b"caf\xc3\xa9").unwrap(),
+    );
     assert_eq!(id.identify(&h, peer), Err(IdentityError::ApiKeyInvalid));
     assert_eq!(
-        id.identify(&headers(&[("x-api-key", "key-a"), ("x-api-key", "key-b")]), peer),
+        id.identify(
+            &headers(&[("x-api-key", "key-a"), ("x-api-key", "key-b")]),
+            peer
+        ),
         Err(IdentityError::ApiKeyConflict)
     );
     assert_eq!(
@@ -81,9 +90,13 @@ fn malformed_api_keys_are_errors() {
         Err(IdentityError::ApiKeyConflict)
     );
     // The same key twice is not a conflict; Basic auth is not an API key.
-    assert!(id
-        .identify(&headers(&[("x-api-key", "key-a"), ("authorization", "bearer key-a")]), peer)
-        .is_ok());
+    assert!(
+        id.identify(
+            &headers(&[("x-api-key", "key-a"), ("authorization", "bearer key-a")]),
+            peer
+        )
+        .is_ok()
+    );
     assert_eq!(
         id.identify(&headers(&[("authorization", "Basic dXNlcjpwYXNz")]), peer)
             .unwrap()
@@ -96,10 +109,16 @@ fn malformed_api_keys_are_errors() {
 fn forwarded_for_is_ignored_from_untrusted_peers() {
     let id = identifier(&["10.0.0.0/8"]);
     let h = headers(&[("x-forwarded-for", "1.2.3.4")]);
-    assert_eq!(id.client_ip(&h, ip("203.0.113.9")).unwrap(), ip("203.0.113.9"));
+    assert_eq!(
+        id.client_ip(&h, ip("203.0.113.9")).unwrap(),
+        ip("203.0.113.9")
+    );
     // Not even parsed: garbage from an untrusted peer is not our problem.
     let h = headers(&[("x-forwarded-for", "not an address")]);
-    assert_eq!(id.client_ip(&h, ip("203.0.113.9")).unwrap(), ip("203.0.113.9"));
+    assert_eq!(
+        id.client_ip(&h, ip("203.0.113.9")).unwrap(),
+        ip("203.0.113.9")
+    );
 }
 
 #[test]
@@ -107,22 +126,34 @@ fn rightmost_untrusted_forwarded_for_entry_is_the_client() {
     let id = identifier(&["10.0.0.0/8", "127.0.0.1/32"]);
     // client 198.51.100.7 spoofs 1.1.1.1, then goes through 10.0.0.2 to 127.0.0.1.
     let h = headers(&[("x-forwarded-for", "1.1.1.1, 198.51.100.7, 10.0.0.2")]);
-    assert_eq!(id.client_ip(&h, ip("127.0.0.1")).unwrap(), ip("198.51.100.7"));
+    assert_eq!(
+        id.client_ip(&h, ip("127.0.0.1")).unwrap(),
+        ip("198.51.100.7")
+    );
     // Split across header lines, with ports and IPv6 brackets.
     let h = headers(&[
         ("x-forwarded-for", "1.1.1.1"),
         ("x-forwarded-for", "[2001:db8::1]:443, 10.0.0.2:80"),
     ]);
-    assert_eq!(id.client_ip(&h, ip("127.0.0.1")).unwrap(), ip("2001:db8::1"));
+    assert_eq!(
+        id.client_ip(&h, ip("127.0.0.1")).unwrap(),
+        ip("2001:db8::1")
+    );
     // All hops trusted: the left-most is the furthest known.
     let h = headers(&[("x-forwarded-for", "10.1.1.1, 10.0.0.2")]);
     assert_eq!(id.client_ip(&h, ip("127.0.0.1")).unwrap(), ip("10.1.1.1"));
     // No header from a trusted proxy: the proxy itself.
-    assert_eq!(id.client_ip(&HeaderMap::new(), ip("127.0.0.1")).unwrap(), ip("127.0.0.1"));
+    assert_eq!(
+        id.client_ip(&HeaderMap::new(), ip("127.0.0.1")).unwrap(),
+        ip("127.0.0.1")
+    );
     // IPv4-mapped IPv6 peers count as their IPv4 address.
     assert_eq!(
-        id.client_ip(&headers(&[("x-forwarded-for", "198.51.100.7")]), ip("::ffff:127.0.0.1"))
-            .unwrap(),
+        id.client_ip(
+            &headers(&[("x-forwarded-for", "198.51.100.7")]),
+            ip("::ffff:127.0.0.1")
+        )
+        .unwrap(),
         ip("198.51.100.7")
     );
 }
@@ -154,9 +185,18 @@ fn malformed_forwarded_for_from_trusted_proxy_is_an_error() {
 #[test]
 fn ipv6_clients_are_keyed_by_prefix() {
     let id = identifier(&[]);
-    let a = id.identify(&HeaderMap::new(), Some(ip("2001:db8:1:2::a"))).unwrap().0;
-    let b = id.identify(&HeaderMap::new(), Some(ip("2001:db8:1:2:ffff::b"))).unwrap().0;
-    let c = id.identify(&HeaderMap::new(), Some(ip("2001:db8:1:3::a"))).unwrap().0;
+    let a = id
+        .identify(&HeaderMap::new(), Some(ip("2001:db8:1:2::a")))
+        .unwrap()
+        .0;
+    let b = id
+        .identify(&HeaderMap::new(), Some(ip("2001:db8:1:2:ffff::b")))
+        .unwrap()
+        .0;
+    let c = id
+        .identify(&HeaderMap::new(), Some(ip("2001:db8:1:3::a")))
+        .unwrap()
+        .0;
     assert_eq!(a, b);
     assert_ne!(a, c);
     assert_eq!(a, Identity::Ip(ip("2001:db8:1:2::")));
@@ -205,10 +245,10 @@ proptest! {
             }
         }
         let _ = id.identify(&h, Some(ip("127.0.0.1")));
-        if let Ok((who, kind)) = id.identify(&h, Some(ip("203.0.113.1"))) {
-            if kind != KeyKind::ApiKey {
-                prop_assert_eq!(who, Identity::Ip(ip("203.0.113.1")));
-            }
+        if let Ok((who, kind)) = id.identify(&h, Some(ip("203.0.113.1")))
+            && kind != KeyKind::ApiKey
+        {
+            prop_assert_eq!(who, Identity::Ip(ip("203.0.113.1")));
         }
     }
 }

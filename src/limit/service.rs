@@ -84,9 +84,10 @@ where
                 .await;
             match outcome {
                 Outcome::Unlimited => inner.call(request).await,
-                Outcome::BadIdentity(error) => {
-                    Ok(problem_response(&identity_problem(&error), HeaderMap::new()))
-                }
+                Outcome::BadIdentity(error) => Ok(problem_response(
+                    &identity_problem(&error),
+                    HeaderMap::new(),
+                )),
                 Outcome::StoreFailed { policy, error } => {
                     // Until failure policies exist (fail-open/closed/local),
                     // an undecidable request is refused: fail closed, 503,
@@ -115,7 +116,10 @@ where
                     }
                     if kind == KeyKind::UnknownApiKey {
                         let mut headers = headers;
-                        headers.insert(header::WWW_AUTHENTICATE, http::HeaderValue::from_static("Bearer"));
+                        headers.insert(
+                            header::WWW_AUTHENTICATE,
+                            http::HeaderValue::from_static("Bearer"),
+                        );
                         let problem = Problem::new(
                             "unknown-api-key",
                             "Unauthorized",

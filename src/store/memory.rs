@@ -98,7 +98,10 @@ impl MemoryStore {
     ) -> Result<Decision, CostExceedsBurst> {
         // Poisoning cannot leave a map half-updated (every update is one
         // insert or remove), so a poisoned lock is safe to keep using.
-        let mut map = self.shard(key).lock().unwrap_or_else(PoisonError::into_inner);
+        let mut map = self
+            .shard(key)
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         let previous = map.get(&key).map(|e| e.state);
         let (decision, state) = bucket::check(limit, previous, cost, now)?;
         if decision.reset.is_zero() {
@@ -111,7 +114,8 @@ impl MemoryStore {
         if previous.is_none() && map.len() >= self.per_shard {
             let pressure = make_room(&mut map, self.per_shard, now);
             if pressure > 0 {
-                self.pressure_evictions.fetch_add(pressure, Ordering::Relaxed);
+                self.pressure_evictions
+                    .fetch_add(pressure, Ordering::Relaxed);
             }
         }
         let wait = u64::try_from(decision.reset.as_micros()).unwrap_or(u64::MAX);
@@ -184,7 +188,9 @@ impl Store for MemoryStore {
         cost: u64,
         now: Micros,
     ) -> BoxFuture<'_, Result<Decision, StoreError>> {
-        let result = self.check_sync(key, &limit, cost, now).map_err(StoreError::from);
+        let result = self
+            .check_sync(key, &limit, cost, now)
+            .map_err(StoreError::from);
         Box::pin(std::future::ready(result))
     }
 
@@ -209,10 +215,25 @@ mod tests {
     fn keys_are_independent() {
         let store = MemoryStore::new(1000, 4);
         for _ in 0..10 {
-            assert!(store.check_sync(BucketKey(1), &limit(), 1, T0).unwrap().allowed);
+            assert!(
+                store
+                    .check_sync(BucketKey(1), &limit(), 1, T0)
+                    .unwrap()
+                    .allowed
+            );
         }
-        assert!(!store.check_sync(BucketKey(1), &limit(), 1, T0).unwrap().allowed);
-        assert!(store.check_sync(BucketKey(2), &limit(), 1, T0).unwrap().allowed);
+        assert!(
+            !store
+                .check_sync(BucketKey(1), &limit(), 1, T0)
+                .unwrap()
+                .allowed
+        );
+        assert!(
+            store
+                .check_sync(BucketKey(2), &limit(), 1, T0)
+                .unwrap()
+                .allowed
+        );
     }
 
     #[test]
@@ -223,7 +244,9 @@ mod tests {
         store.check_sync(BucketKey(7), &limit(), 1, T0).unwrap();
         assert_eq!(store.len(), 1);
         // 1 token at 5/s is back after 200 ms: the entry goes.
-        store.check_sync(BucketKey(7), &limit(), 0, T0 + 200_000).unwrap();
+        store
+            .check_sync(BucketKey(7), &limit(), 0, T0 + 200_000)
+            .unwrap();
         assert!(store.is_empty());
     }
 
@@ -237,7 +260,12 @@ mod tests {
                     let store = &store;
                     s.spawn(move || {
                         (0..600)
-                            .filter(|_| store.check_sync(BucketKey(9), &limit, 1, T0).unwrap().allowed)
+                            .filter(|_| {
+                                store
+                                    .check_sync(BucketKey(9), &limit, 1, T0)
+                                    .unwrap()
+                                    .allowed
+                            })
                             .count()
                     })
                 })
@@ -255,8 +283,16 @@ mod tests {
             let key = BucketKey(k.wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835));
             store.check_sync(key, &limit(), 1, T0).unwrap();
         }
-        assert!(store.len() <= store.capacity(), "{} > {}", store.len(), store.capacity());
-        assert!(store.pressure_evictions() > 0, "10k live buckets in 256 slots must evict");
+        assert!(
+            store.len() <= store.capacity(),
+            "{} > {}",
+            store.len(),
+            store.capacity()
+        );
+        assert!(
+            store.pressure_evictions() > 0,
+            "10k live buckets in 256 slots must evict"
+        );
     }
 
     proptest! {
@@ -297,12 +333,21 @@ mod tests {
         for k in 0..7 {
             store.check_sync(BucketKey(k), &fast, 1, T0).unwrap();
         }
-        store.check_sync(BucketKey(100), &slow_limit, 1, T0).unwrap();
+        store
+            .check_sync(BucketKey(100), &slow_limit, 1, T0)
+            .unwrap();
         assert_eq!(store.len(), 8);
         // 1 s later the fast ones are full (idle); a new key forces a sweep.
-        store.check_sync(BucketKey(200), &fast, 1, T0 + 1_000_000).unwrap();
+        store
+            .check_sync(BucketKey(200), &fast, 1, T0 + 1_000_000)
+            .unwrap();
         assert_eq!(store.len(), 2, "only the idle entries should have gone");
         // The slow bucket kept its state: still empty.
-        assert!(!store.check_sync(BucketKey(100), &slow_limit, 1, T0 + 1_000_000).unwrap().allowed);
+        assert!(
+            !store
+                .check_sync(BucketKey(100), &slow_limit, 1, T0 + 1_000_000)
+                .unwrap()
+                .allowed
+        );
     }
 }

@@ -1,0 +1,251 @@
+//! `app()` with `oneshot`: the contract without a socket.
+
+use axum::body::Body;
+use axum::extract::ConnectInfo;
+use http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use ratelimiter::api::app;
+use ratelimiter::clock::ManualClock;
+use ratelimiter::config::Config;
+use ratelimiter::server::build_state;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use tower::ServiceExt;
+
+const T0: u64 = 1_800_000_000_000_000;
+
+fn example_app() -> axum::Router {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/example.toml"))
+        .unwrap();
+    let config = Config::from_toml(&text).unwrap();
+    app(build_state(&config, Arc::new(ManualClock::new(T0))))
+}
+
+fn request(method: &str, uri: &str, headers: &[(&str, &str)], body: Option<&str>) -> Request<Body> {
+    let mut b = Request::builder().method(method).uri(uri);
+    for (k, v) in headers {
+        b = b.header(*k, *v);
+    }
+    if body.is_some() {
+        b = b.header("content-type", "application/json");
+    }
+    let mut r = b
+        .body(body.map(|s| Body::from(s.to_owned())).unwrap_or_default())
+        .unwrap();
+    r.extensions_mut().insert(ConnectInfo(
+        "192.0.2.10:5000".parse::<SocketAddr>().unwrap(),
+    ));
+    r
+}
+
+async fn send(app: &axum::Router, req: Request<Body>) -> (StatusCode, http::HeaderMap, String) {
+    let r = app.clone().oneshot(req).await.unwrap();
+    let (parts, body) = r.into_parts();
+    let bytes = body.collect().await.unwrap().to_bytes();
+    (
+        parts.status,
+        parts.headers,
+        String::from_utf8(bytes.to_vec()).unwrap(),
+    )
+}
+
+#[tokio::test]
+async fn operations_endpoints_are_never_limited() {
+    let app = example_app();
+    for path in ["/healthz", "/readyz", "/metrics"] {
+        for _ in 0..30 {
+            let (status, headers, _) = send(&app, request("GET", path, &[], None)).await;
+            assert_eq!(status, StatusCode::OK, "{path}");
+            assert!(
+                headers.get("ratelimit-limit").is_none(),
+                "{path} carries limit headers"
+            );
+            assert_eq!(headers.get("x-instance-id").unwrap(), "api-1");
+        }
+    }
+}
+
+#[tokio::test]
+async fn anonymous_clients_get_the_anonymous_limit_and_keys_their_own() {
+    let app = example_app();
+    let (status, headers, _) = send(&app, request("GET", "/api/items", &[], None)).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(headers["ratelimit-limit"], "20");
+    let (_, headers, _) = send(
+        &app,
+        request("GET", "/api/items/1", &[("x-api-key", "demo-key-a")], None),
+    )
+    .await;
+    assert_eq!(headers["ratelimit-limit"], "100");
+    // key_sha256-configured keys verify too.
+    let (status, headers, _) = send(
+        &app,
+        request("GET", "/api/items/2", &[("x-api-key", "demo-key-b")], None),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(headers["ratelimit-remaining"], "99");
+}
+
+#[tokio::test]
+async fn unknown_api_keys_are_limited_by_address_and_answered_401() {
+    let app = example_app();
+    let mut statuses = Vec::new();
+    for i in 0..22 {
+        let key = format!("guess-{i}");
+        let (status, headers, body) = send(
+            &app,
+            request("GET", "/api/items", &[("x-api-key", &key)], None),
+        )
+        .await;
+        if status == StatusCode::UNAUTHORIZED {
+            assert_eq!(headers["content-type"], "application/problem+json");
+            assert!(body.contains("unknown-api-key"));
+            assert_eq!(headers["ratelimit-limit"], "20");
+        }
+        statuses.push(status.as_u16());
+    }
+    // Rotating guesses share the address's anonymous bucket of 20.
+    assert_eq!(statuses, [vec![401; 20], vec![429; 2]].concat());
+}
+
+#[tokio::test]
+async fn malformed_identity_headers_get_400_problem_json() {
+    let app = example_app();
+    let long = "x".repeat(300);
+    for headers in [
+        vec![("x-api-key", long.as_str())],
+        vec![("x-api-key", "")],
+        vec![
+            ("x-api-key", "demo-key-a"),
+            ("authorization", "Bearer demo-key-b"),
+        ],
+    ] {
+        let (status, h, body) = send(&app, request("GET", "/api/items", &headers, None)).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{headers:?}");
+        assert_eq!(h["content-type"], "application/problem+json");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["status"], 400);
+        assert!(v["detail"].as_str().unwrap().contains("API key"));
+    }
+}
+
+#[tokio::test]
+async fn per_route_policy_cost_and_unlimited_routes() {
+    let app = example_app();
+    let order = r#"{"item_id": 1, "quantity": 2}"#;
+    let mut remaining = Vec::new();
+    for _ in 0..6 {
+        let (status, h, _) = send(
+            &app,
+            request(
+                "POST",
+                "/api/orders",
+                &[("x-api-key", "demo-key-a")],
+                Some(order),
+            ),
+        )
+        .await;
+        remaining.push((
+            status.as_u16(),
+            h["ratelimit-remaining"].to_str().unwrap().to_owned(),
+        ));
+        assert!(
+            h["ratelimit-policy"]
+                .to_str()
+                .unwrap()
+                .starts_with("\"orders\";q=10")
+        );
+    }
+    // Burst 10 at cost 2: five orders, then 429.
+    let expected: Vec<(u16, String)> = vec![
+        (201, "8"),
+        (201, "6"),
+        (201, "4"),
+        (201, "2"),
+        (201, "0"),
+        (429, "0"),
+    ]
+    .into_iter()
+    .map(|(s, r)| (s, r.to_owned()))
+    .collect();
+    assert_eq!(remaining, expected);
+    for _ in 0..50 {
+        let (status, h, _) = send(&app, request("GET", "/api/status", &[], None)).await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(h.get("ratelimit-limit").is_none());
+    }
+}
+
+#[tokio::test]
+async fn sample_api_answers() {
+    let app = example_app();
+    let key = [("x-api-key", "demo-key-a")];
+    let (status, _, body) = send(&app, request("GET", "/api/items", &key, None)).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(body.contains("bucket"));
+    let (status, h, _) = send(&app, request("GET", "/api/items/99", &key, None)).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(h["content-type"], "application/problem+json");
+    let (status, _, _) = send(
+        &app,
+        request(
+            "POST",
+            "/api/orders",
+            &key,
+            Some(r#"{"item_id": 1, "quantity": 0}"#),
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    let (status, _, body) = send(&app, request("GET", "/api/status", &[], None)).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(body.contains("\"backend\":\"memory\""));
+    // Unknown routes are 404, not limited.
+    let (status, h, _) = send(&app, request("GET", "/api/nope", &key, None)).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert!(h.get("ratelimit-limit").is_none());
+}
+
+#[tokio::test]
+async fn metrics_count_decisions_by_policy_and_outcome() {
+    let app = example_app();
+    for _ in 0..3 {
+        send(
+            &app,
+            request("GET", "/api/items", &[("x-api-key", "demo-key-a")], None),
+        )
+        .await;
+    }
+    let (_, h, body) = send(&app, request("GET", "/metrics", &[], None)).await;
+    assert!(
+        h["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/plain")
+    );
+    let line = body
+        .lines()
+        .find(|l| {
+            l.starts_with("ratelimit_decisions_total")
+                && l.contains("key_kind=\"api_key\"")
+                && l.contains("decision=\"allowed\"")
+                && l.contains("policy=\"api\"")
+        })
+        .unwrap_or_else(|| panic!("no decisions counter in:\n{body}"));
+    let value: f64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+    assert!(value >= 3.0, "{line}");
+    assert!(body.contains("ratelimit_check_duration_seconds_bucket"));
+}
+
+#[tokio::test]
+async fn a_server_wired_without_peer_addresses_fails_loudly_not_open() {
+    let app = example_app();
+    let req = Request::builder()
+        .uri("/api/items")
+        .body(Body::empty())
+        .unwrap();
+    let (status, _, body) = send(&app, req).await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(!body.contains("peer"), "internal detail leaked: {body}");
+}

@@ -1,0 +1,75 @@
+//! Shared test support: real servers on free loopback ports, stopped on drop.
+
+#![allow(dead_code)]
+
+use ratelimiter::clock::Clock;
+use ratelimiter::config::Config;
+use ratelimiter::server;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+/// One API instance serving on 127.0.0.1:<free port> inside this process.
+pub struct TestServer {
+    pub addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<std::io::Result<()>>,
+}
+
+impl TestServer {
+    /// Starts an instance from TOML config text with the given clock.
+    pub async fn start(config_toml: &str, clock: Arc<dyn Clock>) -> Self {
+        let config = Config::from_toml(config_toml).expect("test config is valid");
+        let state = server::build_state(&config, clock);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(server::serve(listener, state, async {
+            let _ = stopped.await;
+        }));
+        Self {
+            addr,
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    /// Stops gracefully and waits for the server to finish.
+    pub async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        (&mut self.task).await.unwrap().unwrap();
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        self.task.abort();
+    }
+}
+
+/// A client that keeps no connection pool between tests.
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(10))
+        .build()
+        .unwrap()
+}
+
+/// A header as text, panicking with the header name if absent.
+pub fn header<'a>(r: &'a reqwest::Response, name: &str) -> &'a str {
+    r.headers()
+        .get(name)
+        .unwrap_or_else(|| panic!("missing header {name}"))
+        .to_str()
+        .unwrap()
+}
