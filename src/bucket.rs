@@ -75,10 +75,6 @@ fn gcd(mut a: u64, mut b: u64) -> u64 {
     a
 }
 
-fn div_ceil_u128(a: u128, b: u128) -> u128 {
-    a.div_ceil(b)
-}
-
 impl Limit {
     /// `burst` tokens, refilled at `rate` tokens per `period`.
     ///
@@ -185,23 +181,21 @@ pub fn check(
             burst: limit.burst,
         });
     }
+    // Everything fits u64: capacity is at most 2^53 (checked in `Limit::new`),
+    // and a refill that would overflow is larger than any deficit anyway.
+    // (u64 rather than u128 also keeps the divisions single instructions.)
     let cap = limit.capacity_units();
     let unit = limit.period_us;
-    let rate = u128::from(limit.rate);
-    let BucketState { mut tokens, last } = state.unwrap_or(BucketState {
+    let rate = limit.rate;
+    let BucketState { tokens, last } = state.unwrap_or(BucketState {
         tokens: cap,
         last: now,
     });
     // A state from a corrupted or differently shaped bucket must not grant
     // more than a full bucket.
-    tokens = tokens.min(cap);
+    let mut tokens = tokens.min(cap);
     let at = now.max(last);
-    let missing = cap - tokens;
-    if missing > 0 {
-        let refill = u128::from(at - last) * rate;
-        // The refill is at most `missing`, which fits u64.
-        tokens += u64::try_from(refill.min(u128::from(missing))).unwrap_or(missing);
-    }
+    tokens += (at - last).saturating_mul(rate).min(cap - tokens);
     let cost_units = cost * unit;
     let allowed = tokens >= cost_units;
     if allowed {
@@ -213,14 +207,22 @@ pub fn check(
         if deficit == 0 {
             Duration::ZERO
         } else {
-            let us = div_ceil_u128(u128::from(deficit), rate) + u128::from(skew);
-            Duration::from_micros(u64::try_from(us).unwrap_or(u64::MAX))
+            // Rates reduce to 1 unit/us more often than not (10/s, 100/min
+            // are 1 token per 100_000 / 600_000 units); skip the division.
+            let us = if rate == 1 {
+                deficit
+            } else {
+                deficit.div_ceil(rate)
+            };
+            Duration::from_micros(us.saturating_add(skew))
         }
     };
     let decision = Decision {
         allowed,
         limit: limit.burst,
-        remaining: tokens / unit,
+        // Denials (the hot path under attack) mostly hold less than a token:
+        // skip the division then.
+        remaining: if tokens < unit { 0 } else { tokens / unit },
         retry_after: wait(cost_units.saturating_sub(tokens)),
         reset: wait(cap - tokens),
     };

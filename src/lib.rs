@@ -1,7 +1,8 @@
 //! A distributed rate limiter you can watch working and watch failing.
 //!
 //! # Layout
-//! - [`clock`]: time as a value passed in; a system clock and a manual one.
+//! - [`clock`]: time as a value passed in: the system clock, a TSC-based
+//!   wall clock for the request path, and a manual clock for tests.
 //! - [`bucket`]: the exact token bucket, pure: `(limit, state, cost, now)` to
 //!   `(decision, state)`.
 //! - [`store`]: where bucket state lives, behind one narrow async trait; the

@@ -2,7 +2,7 @@
 
 use anyhow::Context;
 use clap::Parser;
-use ratelimiter::clock::SystemClock;
+use ratelimiter::clock::FastClock;
 use ratelimiter::config::{Cli, Config};
 use ratelimiter::server;
 use std::sync::Arc;
@@ -21,7 +21,7 @@ async fn main() -> anyhow::Result<()> {
             "key_secret not set: identities are hashed with a random per-process key; set RL_KEY_SECRET when instances share a store"
         );
     }
-    let state = server::build_state(&config, Arc::new(SystemClock));
+    let state = server::build_state(&config, Arc::new(FastClock::default()));
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.listen))?;

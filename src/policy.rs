@@ -160,6 +160,10 @@ impl Limiter {
         let Some(policy) = self.policies.find(route, method) else {
             return Outcome::Unlimited;
         };
+        if policy.keyed.is_none() && policy.anonymous.is_none() {
+            // Unlimited routes do not even look at identifying headers.
+            return Outcome::Unlimited;
+        }
         let (identity, kind) = match self.identifier.identify(headers, peer) {
             Ok(found) => found,
             Err(e) => {

@@ -18,6 +18,11 @@ id = "tenant-b"
 key = "key-b"
 "#;
 
+/// One `/api/` policy of `burst` tokens refilled at 1/s.
+fn policy(burst: u64) -> String {
+    format!("[[policies]]\nname = \"api\"\nroute = \"/api/\"\nburst = {burst}\nrate = 1\n")
+}
+
 #[tokio::test]
 async fn one_key_gets_exactly_what_the_maths_predicts() {
     let clock = ManualClock::new(T0);
@@ -26,12 +31,9 @@ async fn one_key_gets_exactly_what_the_maths_predicts() {
     let mut admitted = 0;
     let mut denied = 0;
     for i in 0..150u64 {
-        let r = http
-            .get(server.url("/api/items"))
-            .header("x-api-key", "key-a")
-            .send()
-            .await
-            .unwrap();
+        let r = server
+            .get(&http, "/api/items", &[("x-api-key", "key-a")])
+            .await;
         assert_eq!(header(&r, "ratelimit-limit"), "100");
         assert_eq!(header(&r, "ratelimit-policy"), "\"api\";q=100;w=10");
         if i < 100 {
@@ -66,12 +68,9 @@ async fn one_key_gets_exactly_what_the_maths_predicts() {
     assert_eq!((admitted, denied), (100, 50));
 
     // A different key is independent.
-    let r = http
-        .get(server.url("/api/items"))
-        .header("authorization", "Bearer key-b")
-        .send()
-        .await
-        .unwrap();
+    let r = server
+        .get(&http, "/api/items", &[("authorization", "Bearer key-b")])
+        .await;
     assert_eq!(r.status(), 200);
     assert_eq!(header(&r, "ratelimit-remaining"), "99");
 
@@ -79,12 +78,9 @@ async fn one_key_gets_exactly_what_the_maths_predicts() {
     clock.advance(1_000_000);
     let mut after = Vec::new();
     for _ in 0..11 {
-        let r = http
-            .get(server.url("/api/items"))
-            .header("x-api-key", "key-a")
-            .send()
-            .await
-            .unwrap();
+        let r = server
+            .get(&http, "/api/items", &[("x-api-key", "key-a")])
+            .await;
         after.push(r.status().as_u16());
     }
     assert_eq!(after, [vec![200; 10], vec![429]].concat());
@@ -93,27 +89,18 @@ async fn one_key_gets_exactly_what_the_maths_predicts() {
 
 #[tokio::test]
 async fn spoofed_forwarded_for_from_an_untrusted_peer_is_ignored() {
-    let server = TestServer::start(
-        r#"
-        [[policies]]
-        name = "api"
-        route = "/api/"
-        burst = 5
-        rate = 1
-        "#,
-        Arc::new(ManualClock::new(T0)),
-    )
-    .await;
+    let server = TestServer::start(&policy(5), Arc::new(ManualClock::new(T0))).await;
     let http = client();
     let mut statuses = Vec::new();
     for i in 0..8 {
         // A fresh forged client address each time: must not buy fresh buckets.
-        let r = http
-            .get(server.url("/api/items"))
-            .header("x-forwarded-for", format!("203.0.113.{i}"))
-            .send()
-            .await
-            .unwrap();
+        let r = server
+            .get(
+                &http,
+                "/api/items",
+                &[("x-forwarded-for", &format!("203.0.113.{i}"))],
+            )
+            .await;
         statuses.push(r.status().as_u16());
     }
     assert_eq!(statuses, [vec![200; 5], vec![429; 3]].concat());
@@ -121,31 +108,17 @@ async fn spoofed_forwarded_for_from_an_untrusted_peer_is_ignored() {
 
 #[tokio::test]
 async fn behind_a_trusted_proxy_the_rightmost_untrusted_address_is_the_client() {
-    let server = TestServer::start(
-        r#"
-        trusted_proxies = ["127.0.0.1/32", "10.0.0.0/8"]
-        [[policies]]
-        name = "api"
-        route = "/api/"
-        burst = 3
-        rate = 1
-        "#,
-        Arc::new(ManualClock::new(T0)),
-    )
-    .await;
+    let config = format!(
+        "trusted_proxies = [\"127.0.0.1/32\", \"10.0.0.0/8\"]\n{}",
+        policy(3)
+    );
+    let server = TestServer::start(&config, Arc::new(ManualClock::new(T0))).await;
     let http = client();
-    let get = |xff: String| {
-        let http = http.clone();
-        let url = server.url("/api/items");
-        async move {
-            http.get(url)
-                .header("x-forwarded-for", xff)
-                .send()
-                .await
-                .unwrap()
-                .status()
-                .as_u16()
-        }
+    let get = async |xff: String| {
+        let r = server
+            .get(&http, "/api/items", &[("x-forwarded-for", &xff)])
+            .await;
+        r.status().as_u16()
     };
     // 198.51.100.7 forges a different left-most entry each time; the proxy
     // chain (10.0.0.2, then us via 127.0.0.1) appends the real address.
@@ -170,12 +143,9 @@ async fn with_the_system_clock_admissions_stay_within_burst_plus_refill() {
     let mut admitted = 0u64;
     let mut last_retry_after = None;
     for _ in 0..150 {
-        let r = http
-            .get(server.url("/api/items"))
-            .header("x-api-key", "key-a")
-            .send()
-            .await
-            .unwrap();
+        let r = server
+            .get(&http, "/api/items", &[("x-api-key", "key-a")])
+            .await;
         if r.status() == 200 {
             admitted += 1;
         } else {
@@ -192,12 +162,9 @@ async fn with_the_system_clock_admissions_stay_within_burst_plus_refill() {
     if let Some(wait) = last_retry_after {
         assert!(wait >= 1);
         tokio::time::sleep(Duration::from_secs(wait)).await;
-        let r = http
-            .get(server.url("/api/items"))
-            .header("x-api-key", "key-a")
-            .send()
-            .await
-            .unwrap();
+        let r = server
+            .get(&http, "/api/items", &[("x-api-key", "key-a")])
+            .await;
         assert_eq!(r.status(), 200, "denied after waiting Retry-After");
     }
 }

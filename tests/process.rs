@@ -36,29 +36,62 @@ fn wait_ready(port: u16) {
     panic!("server on port {port} did not come up");
 }
 
-fn get(port: u16, path: &str, headers: &[(&str, &str)]) -> (u16, String) {
+/// GETs `path` `n` times in a row; returns each status and the last body.
+fn get_n(port: u16, path: &str, n: usize) -> (Vec<u16>, String) {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
     rt.block_on(async {
-        let mut req = reqwest::Client::new().get(format!("http://127.0.0.1:{port}{path}"));
-        for (k, v) in headers {
-            req = req.header(*k, *v);
+        let http = reqwest::Client::new();
+        let mut statuses = Vec::with_capacity(n);
+        let mut body = String::new();
+        for _ in 0..n {
+            let r = http
+                .get(format!("http://127.0.0.1:{port}{path}"))
+                .send()
+                .await
+                .unwrap();
+            statuses.push(r.status().as_u16());
+            body = r.text().await.unwrap();
         }
-        let r = req.send().await.unwrap();
-        let status = r.status().as_u16();
-        let text = r.text().await.unwrap();
-        (status, text)
+        (statuses, body)
     })
+}
+
+/// A scratch directory removed on drop.
+struct TempDir(std::path::PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("rl-proc-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        Self(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 #[test]
 fn serves_from_env_and_flags_and_stops_cleanly_on_sigterm() {
     let port = free_port();
+    // One token an hour after the burst, so real time cannot refill any
+    // during the test: exactly the burst passes.
+    let dir = TempDir::new("serve");
+    let config = dir.0.join("c.toml");
+    std::fs::write(
+        &config,
+        "instance_id = \"from-file\"\n[[policies]]\nname = \"api\"\nroute = \"/api/items\"\nburst = 100\nrate = 1\nper = \"1h\"\n",
+    )
+    .unwrap();
     let child = Command::new(BIN)
         .env("RL_LISTEN", format!("127.0.0.1:{port}"))
         .env("RL_INSTANCE_ID", "proc-test")
+        .env("RL_CONFIG", &config)
         .args(["--backend", "memory", "--trusted-proxy", "10.0.0.0/8"])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -66,23 +99,16 @@ fn serves_from_env_and_flags_and_stops_cleanly_on_sigterm() {
         .unwrap();
     let mut proc = Proc(child);
     wait_ready(port);
-    let (status, body) = get(port, "/api/status", &[]);
-    assert_eq!(status, 200);
+    // The env var beats the file's instance_id.
+    let (status, body) = get_n(port, "/api/status", 1);
+    assert_eq!(status, [200]);
     assert!(body.contains("proc-test"), "{body}");
-    // The built-in default: 100 per client, then 429.
-    let statuses: Vec<u16> = (0..101).map(|_| get(port, "/api/items", &[]).0).collect();
-    assert_eq!(
-        statuses.iter().filter(|s| **s == 200).count(),
-        100,
-        "{statuses:?}"
-    );
-    assert_eq!(statuses[100], 429);
+    // The file's policy: 100, then 429.
+    let (statuses, _) = get_n(port, "/api/items", 101);
+    assert_eq!(statuses, [vec![200; 100], vec![429]].concat());
 
-    let kill = Command::new("kill")
-        .args(["-TERM", &proc.0.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(kill.success());
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(proc.0.id()).unwrap());
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     let exit = loop {
         if let Some(exit) = proc.0.try_wait().unwrap() {
@@ -104,9 +130,8 @@ fn serves_from_env_and_flags_and_stops_cleanly_on_sigterm() {
 
 #[test]
 fn invalid_config_fails_at_startup_naming_the_field() {
-    let dir = std::env::temp_dir().join(format!("rl-proc-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("bad.toml");
+    let dir = TempDir::new("bad");
+    let path = dir.0.join("bad.toml");
     std::fs::write(
         &path,
         "[[policies]]\nname = \"api\"\nroute = \"/api/\"\nburst = 0\nrate = 1\n",
@@ -127,5 +152,4 @@ fn invalid_config_fails_at_startup_naming_the_field() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("trusted_proxies[0]"));
-    std::fs::remove_dir_all(dir).unwrap();
 }

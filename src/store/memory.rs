@@ -10,7 +10,8 @@
 //! # Memory bound
 //! No entry means a full bucket. An entry whose bucket has refilled to full
 //! (`now >= full_at`) is therefore equivalent to no entry and can be dropped
-//! without changing any decision. When a shard reaches its share of
+//! without changing any decision (for a clock that does not step back; after
+//! a backward step a forgotten bucket's waits can be shorter by that step). When a shard reaches its share of
 //! `max_keys`, it first sweeps such idle entries. Only if that frees less than
 //! an eighth of the shard does it evict the entries closest to full (earliest
 //! `full_at`): those grant the least extra quota when forgotten. That second
@@ -27,7 +28,31 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 
-/// Hashes a [`BucketKey`] by taking its low 64 bits (see the module docs).
+/// A [`BucketKey`] as two `u64`s: 8-byte aligned (a `u128` is 16), so a map
+/// slot is 40 bytes instead of 48 and more of the map stays in cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct SlotKey {
+    hi: u64,
+    lo: u64,
+}
+
+impl From<BucketKey> for SlotKey {
+    fn from(key: BucketKey) -> Self {
+        Self {
+            hi: (key.0 >> 64) as u64,
+            lo: key.0 as u64,
+        }
+    }
+}
+
+impl std::hash::Hash for SlotKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        // The low half of a keyed hash is already uniform (module docs).
+        state.write_u64(self.lo);
+    }
+}
+
+/// Passes a [`SlotKey`]'s low 64 bits through (see the module docs).
 #[derive(Default)]
 struct KeyBitsHasher(u64);
 
@@ -42,19 +67,53 @@ impl Hasher for KeyBitsHasher {
             self.0 = self.0.rotate_left(8) ^ u64::from(b);
         }
     }
-    fn write_u128(&mut self, n: u128) {
-        self.0 = n as u64;
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
     }
 }
 
+/// A bucket as stored: its tokens and the instant it is full again.
+///
+/// The core's state is `(tokens, last)`. Storing `full_at` instead of
+/// `last` lets a sweep recognise idle entries without knowing their limit
+/// (`now >= full_at`), and `last` is recovered exactly from the limit that
+/// every check passes in, because `full_at = last + ceil(deficit / rate)`.
+/// Sixteen bytes, so a slot with its key is 32: two to a cache line, none
+/// straddling two.
 #[derive(Debug, Clone, Copy)]
 struct Entry {
-    state: BucketState,
-    /// When the bucket is full again if nothing more is spent.
+    tokens: u64,
     full_at: Micros,
 }
 
-type Map = HashMap<BucketKey, Entry, BuildHasherDefault<KeyBitsHasher>>;
+impl Entry {
+    fn new(state: BucketState, decision: &Decision, now: Micros) -> Self {
+        // Whole microseconds: `reset` is built from them, so nothing is lost.
+        // `now + reset` is `last + ceil(deficit / rate)` (see `bucket::check`).
+        let reset = decision.reset;
+        let wait = reset.as_secs().saturating_mul(1_000_000) + u64::from(reset.subsec_micros());
+        Self {
+            tokens: state.tokens,
+            full_at: now.saturating_add(wait),
+        }
+    }
+
+    fn state(&self, limit: &Limit) -> BucketState {
+        let deficit = limit.capacity_units().saturating_sub(self.tokens);
+        let rate = limit.rate_units_per_us();
+        let refill = if rate == 1 {
+            deficit
+        } else {
+            deficit.div_ceil(rate)
+        };
+        BucketState {
+            tokens: self.tokens,
+            last: self.full_at.saturating_sub(refill),
+        }
+    }
+}
+
+type Map = HashMap<SlotKey, Entry, BuildHasherDefault<KeyBitsHasher>>;
 
 /// In-memory bucket store. See the module documentation.
 #[derive(Debug)]
@@ -79,11 +138,11 @@ impl MemoryStore {
         }
     }
 
-    fn shard(&self, key: BucketKey) -> &Mutex<Map> {
+    fn shard(&self, key: SlotKey) -> &Mutex<Map> {
         let index = if self.shard_bits == 0 {
             0
         } else {
-            (key.0 >> (128 - self.shard_bits)) as usize
+            (key.hi >> (64 - self.shard_bits)) as usize
         };
         &self.shards[index]
     }
@@ -96,36 +155,35 @@ impl MemoryStore {
         cost: u64,
         now: Micros,
     ) -> Result<Decision, CostExceedsBurst> {
+        let key = SlotKey::from(key);
         // Poisoning cannot leave a map half-updated (every update is one
-        // insert or remove), so a poisoned lock is safe to keep using.
+        // assignment, insert or remove), so a poisoned lock is safe to use.
         let mut map = self
             .shard(key)
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        let previous = map.get(&key).map(|e| e.state);
-        let (decision, state) = bucket::check(limit, previous, cost, now)?;
-        if decision.reset.is_zero() {
-            // Full again: the same as no entry, so keep none.
-            if previous.is_some() {
-                map.remove(&key);
+        // The common case, a known key, takes one probe and updates in place.
+        if let Some(entry) = map.get_mut(&key) {
+            let (decision, state) = bucket::check(limit, Some(entry.state(limit)), cost, now)?;
+            if !decision.reset.is_zero() {
+                *entry = Entry::new(state, &decision, now);
+                return Ok(decision);
             }
+            // Full again: the same as no entry, so keep none.
+            map.remove(&key);
             return Ok(decision);
         }
-        if previous.is_none() && map.len() >= self.per_shard {
-            let pressure = make_room(&mut map, self.per_shard, now);
-            if pressure > 0 {
-                self.pressure_evictions
-                    .fetch_add(pressure, Ordering::Relaxed);
+        let (decision, state) = bucket::check(limit, None, cost, now)?;
+        if !decision.reset.is_zero() {
+            if map.len() >= self.per_shard {
+                let pressure = make_room(&mut map, self.per_shard, now);
+                if pressure > 0 {
+                    self.pressure_evictions
+                        .fetch_add(pressure, Ordering::Relaxed);
+                }
             }
+            map.insert(key, Entry::new(state, &decision, now));
         }
-        let wait = u64::try_from(decision.reset.as_micros()).unwrap_or(u64::MAX);
-        map.insert(
-            key,
-            Entry {
-                state,
-                full_at: now.saturating_add(wait),
-            },
-        );
         Ok(decision)
     }
 
@@ -167,9 +225,9 @@ fn make_room(map: &mut Map, per_shard: usize, now: Micros) -> u64 {
     let target = per_shard.saturating_sub(want_free);
     if map.len() > target {
         let excess = map.len() - target;
-        let mut by_full_at: Vec<(Micros, BucketKey)> =
+        let mut by_full_at: Vec<(Micros, SlotKey)> =
             map.iter().map(|(k, e)| (e.full_at, *k)).collect();
-        by_full_at.select_nth_unstable(excess - 1);
+        by_full_at.select_nth_unstable_by_key(excess - 1, |(full_at, _)| *full_at);
         for (_, key) in &by_full_at[..excess] {
             map.remove(key);
         }
@@ -296,6 +354,32 @@ mod tests {
     }
 
     proptest! {
+        /// The stored form loses nothing: one key through the store answers
+        /// exactly like the pure core fed its own states, for any spacing
+        /// (backwards steps included) and any rate, given the store's one
+        /// rule that a full bucket is kept as no entry. (With a clock that
+        /// steps back, forgetting a full bucket forgets the later instant it
+        /// was seen at, so a wait can be shorter by at most that step.)
+        #[test]
+        fn store_matches_the_pure_core(
+            rate in 1u64..20,
+            period_ms in 1u64..5_000,
+            burst in 1u64..50,
+            ops in prop::collection::vec((0u64..=3, -2_000_000i64..3_000_000), 1..300)
+        ) {
+            let limit = Limit::new(burst, rate, std::time::Duration::from_millis(period_ms)).unwrap();
+            let store = MemoryStore::new(16, 1);
+            let mut state = None;
+            let mut now = T0 as i64;
+            for (cost, dt) in ops {
+                now += dt;
+                let cost = cost.min(burst);
+                let (expected, next) = bucket::check(&limit, state, cost, now as u64).unwrap();
+                state = (!expected.reset.is_zero()).then_some(next);
+                prop_assert_eq!(store.check_sync(BucketKey(5), &limit, cost, now as u64).unwrap(), expected);
+            }
+        }
+
         /// Evicting idle (full-again) entries never changes a decision: a
         /// small store that must sweep often answers exactly like a store
         /// large enough never to evict, for as long as it has not had to

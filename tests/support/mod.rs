@@ -39,6 +39,20 @@ impl TestServer {
         format!("http://{}{}", self.addr, path)
     }
 
+    /// GET `path` with extra headers.
+    pub async fn get(
+        &self,
+        http: &reqwest::Client,
+        path: &str,
+        headers: &[(&str, &str)],
+    ) -> reqwest::Response {
+        let mut request = http.get(self.url(path));
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        request.send().await.unwrap()
+    }
+
     /// Stops gracefully and waits for the server to finish.
     pub async fn shutdown(mut self) {
         if let Some(stop) = self.stop.take() {
