@@ -281,10 +281,6 @@ fn valid_name(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
 }
 
-fn limit_error(e: LimitError) -> String {
-    e.to_string()
-}
-
 fn build_limit(
     field: &str,
     burst: u64,
@@ -302,7 +298,7 @@ fn build_limit(
             LimitError::ZeroPeriod => "per",
             LimitError::TooLarge => "burst",
         };
-        invalid(format!("{field}.{which}"), limit_error(e))
+        invalid(format!("{field}.{which}"), e)
     })
 }
 
@@ -470,15 +466,8 @@ impl Config {
             }
             let sha256 = match (k.key, k.key_sha256) {
                 (Some(key), None) => {
-                    if key.len() > crate::identity::MAX_API_KEY_LEN
-                        || key.is_empty()
-                        || !key.bytes().all(|b| (0x21..=0x7e).contains(&b))
-                    {
-                        return Err(invalid(
-                            format!("{field}.key"),
-                            "must be 1-256 visible ASCII characters",
-                        ));
-                    }
+                    crate::identity::valid_key(key.as_bytes())
+                        .map_err(|e| invalid(format!("{field}.key"), e))?;
                     ApiKeys::digest(&key)
                 }
                 (None, Some(hex)) => parse_hex32(&hex).ok_or_else(|| {

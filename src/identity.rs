@@ -223,7 +223,9 @@ impl Identifier {
     }
 }
 
-fn valid_key(value: &[u8]) -> Result<&str, IdentityError> {
+/// An API key as accepted on the wire and in the config: 1 to
+/// [`MAX_API_KEY_LEN`] visible ASCII characters.
+pub fn valid_key(value: &[u8]) -> Result<&str, IdentityError> {
     if value.len() > MAX_API_KEY_LEN {
         return Err(IdentityError::ApiKeyTooLong);
     }

@@ -249,3 +249,58 @@ async fn a_server_wired_without_peer_addresses_fails_loudly_not_open() {
     assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
     assert!(!body.contains("peer"), "internal detail leaked: {body}");
 }
+
+/// A store that cannot decide: the middleware must refuse with 503 (the
+/// client is not at fault), say when to retry, and leak no internal text.
+#[derive(Debug)]
+struct BrokenStore;
+
+impl ratelimiter::store::Store for BrokenStore {
+    fn check(
+        &self,
+        _key: ratelimiter::store::BucketKey,
+        limit: ratelimiter::bucket::Limit,
+        cost: u64,
+        _now: u64,
+    ) -> ratelimiter::store::BoxFuture<
+        '_,
+        Result<ratelimiter::bucket::Decision, ratelimiter::store::StoreError>,
+    > {
+        let error = ratelimiter::bucket::CostExceedsBurst {
+            cost,
+            burst: limit.burst(),
+        };
+        Box::pin(std::future::ready(Err(error.into())))
+    }
+
+    fn backend(&self) -> &'static str {
+        "broken"
+    }
+}
+
+#[tokio::test]
+async fn an_undecidable_request_is_refused_with_503_not_admitted() {
+    let config = Config::from_toml("").unwrap();
+    let limiter = ratelimiter::policy::Limiter::new(
+        &config,
+        Arc::new(BrokenStore),
+        Arc::new(ManualClock::new(T0)),
+    );
+    let state = ratelimiter::api::AppState::new(
+        Arc::new(limiter),
+        ratelimiter::metrics::install(),
+        "broken-1",
+    );
+    let app = app(state);
+    let (status, h, body) = send(&app, request("GET", "/api/items", &[], None)).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(h["retry-after"], "1");
+    assert_eq!(h["content-type"], "application/problem+json");
+    assert!(
+        !body.contains("burst"),
+        "internal error text leaked: {body}"
+    );
+    // Operations endpoints do not depend on the store.
+    let (status, _, _) = send(&app, request("GET", "/healthz", &[], None)).await;
+    assert_eq!(status, StatusCode::OK);
+}
