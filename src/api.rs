@@ -150,10 +150,30 @@ async fn healthz() -> &'static str {
     "ok\n"
 }
 
-async fn readyz(State(state): State<AppState>) -> Json<serde_json::Value> {
-    // The memory backend is always able to decide; backends that can be
-    // unreachable will report degraded here.
-    Json(serde_json::json!({ "status": "ready", "backend": state.limiter.backend() }))
+/// How long `/readyz` waits for the store before calling it degraded.
+const READY_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(500);
+
+async fn readyz(State(state): State<AppState>) -> Response {
+    let backend = state.limiter.backend();
+    match tokio::time::timeout(READY_TIMEOUT, state.limiter.ready()).await {
+        Ok(Ok(())) => {
+            Json(serde_json::json!({ "status": "ready", "backend": backend })).into_response()
+        }
+        Ok(Err(e)) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(
+                serde_json::json!({ "status": "degraded", "backend": backend, "error": e.kind() }),
+            ),
+        )
+            .into_response(),
+        Err(_) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(
+                serde_json::json!({ "status": "degraded", "backend": backend, "error": "timeout" }),
+            ),
+        )
+            .into_response(),
+    }
 }
 
 async fn metrics(State(state): State<AppState>) -> impl IntoResponse {

@@ -15,8 +15,9 @@
 //! rounded in the state; rounding happens only when a decision is reported
 //! (remaining tokens floor, waiting times ceil), which is what clients need.
 //!
-//! The same representation is used by the Lua script in `lua/`: every
-//! quantity stays below 2^53 (checked in [`Limit::new`]) so Redis's Lua,
+//! The same representation is used by the Lua script in `lua/`: capacity and
+//! rate stay at or below 2^52 (checked in [`Limit::new`]), so every integer
+//! the script forms, products included, is at most 2^53 and Redis's Lua,
 //! whose numbers are doubles, computes the very same integers.
 //!
 //! The function never reads a clock or touches storage: it takes the stored
@@ -25,9 +26,11 @@
 use crate::clock::Micros;
 use std::time::Duration;
 
-/// Largest integer a double represents exactly. Keeping every quantity at or
-/// below it lets a Lua implementation reproduce this arithmetic bit for bit.
-pub const MAX_EXACT: u64 = 1 << 53;
+/// Largest capacity (in units) and rate (units per microsecond) accepted.
+/// Doubles are exact up to 2^53; at or below 2^52, the products a Lua
+/// implementation needs to correct its divisions (`q × rate` just above a
+/// deficit) stay exact too, so it reproduces this arithmetic bit for bit.
+pub const MAX_EXACT: u64 = 1 << 52;
 
 /// A validated bucket shape: `burst` tokens, refilled `rate` per `period_us`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -49,9 +52,10 @@ pub enum LimitError {
     /// The period was shorter than a microsecond.
     #[error("period must be at least 1 microsecond")]
     ZeroPeriod,
-    /// `burst × period` exceeds 2^53, where doubles (and so Lua) stop being exact.
+    /// `burst × period` (or the rate) exceeds 2^52, beyond which doubles (and
+    /// so Lua) cannot reproduce the arithmetic exactly.
     #[error(
-        "burst x period (in microseconds) must not exceed 2^53; use a shorter period or a smaller burst"
+        "burst x period (in microseconds) must not exceed 2^52; use a shorter period or a smaller burst"
     )]
     TooLarge,
 }
@@ -94,7 +98,7 @@ impl Limit {
         let g = gcd(rate, period_us);
         let (rate, period_us) = (rate / g, period_us / g);
         match burst.checked_mul(period_us) {
-            Some(cap) if cap <= MAX_EXACT => Ok(Self {
+            Some(cap) if cap <= MAX_EXACT && rate <= MAX_EXACT => Ok(Self {
                 burst,
                 rate,
                 period_us,
@@ -169,6 +173,11 @@ pub struct Decision {
 /// bucket). Returns the decision and the state to store. A `now` earlier than
 /// `state.last` is treated as `state.last`: no refill, and the waiting times
 /// reported are measured from the real `now`, so they stay exact.
+///
+/// A denial leaves no trace: the state returned is the one given, since
+/// refilling it later from its own `last` reaches the same tokens (the clamp
+/// is idempotent). Stores therefore write nothing on a denial, which is the
+/// cheap path under attack, and Redis scripts need no write then either.
 pub fn check(
     limit: &Limit,
     state: Option<BucketState>,
@@ -181,16 +190,17 @@ pub fn check(
             burst: limit.burst,
         });
     }
-    // Everything fits u64: capacity is at most 2^53 (checked in `Limit::new`),
+    // Everything fits u64: capacity is at most 2^52 (checked in `Limit::new`),
     // and a refill that would overflow is larger than any deficit anyway.
     // (u64 rather than u128 also keeps the divisions single instructions.)
     let cap = limit.capacity_units();
     let unit = limit.period_us;
     let rate = limit.rate;
-    let BucketState { tokens, last } = state.unwrap_or(BucketState {
+    let given = state.unwrap_or(BucketState {
         tokens: cap,
         last: now,
     });
+    let BucketState { tokens, last } = given;
     // A state from a corrupted or differently shaped bucket must not grant
     // more than a full bucket.
     let mut tokens = tokens.min(cap);
@@ -226,7 +236,12 @@ pub fn check(
         retry_after: wait(cost_units.saturating_sub(tokens)),
         reset: wait(cap - tokens),
     };
-    Ok((decision, BucketState { tokens, last: at }))
+    let state = if allowed {
+        BucketState { tokens, last: at }
+    } else {
+        given
+    };
+    Ok((decision, state))
 }
 
 #[cfg(test)]

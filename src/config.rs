@@ -15,11 +15,19 @@
 //! | `ipv6_prefix` | `--ipv6-prefix` / `RL_IPV6_PREFIX` | `64` |
 //! | `memory.max_keys` | `--memory-max-keys` / `RL_MEMORY_MAX_KEYS` | `1000000` |
 //! | `memory.shards` | `--memory-shards` / `RL_MEMORY_SHARDS` | `64` |
+//! | `redis.url` | `--redis-url` / `RL_REDIS_URL` | `redis://127.0.0.1:6379` |
+//! | `redis.cluster` | `--redis-cluster` (repeatable seed URL) / `RL_REDIS_CLUSTER` (comma separated) | none: standalone |
+//! | `redis.prefix` | `--redis-prefix` / `RL_REDIS_PREFIX` | `rl:` |
+//! | `redis.connect_timeout` | `--redis-connect-timeout` / `RL_REDIS_CONNECT_TIMEOUT` | `200ms` |
+//! | `redis.response_timeout` | `--redis-response-timeout` / `RL_REDIS_RESPONSE_TIMEOUT` | `50ms` |
+//! | `redis.retries` | `--redis-retries` / `RL_REDIS_RETRIES` | `1` |
+//! | `redis.ttl_margin` | `--redis-ttl-margin` / `RL_REDIS_TTL_MARGIN` | `1s` |
 //! | `[[api_keys]]` | file only | none |
 //! | `[[policies]]` | file only | one policy `api`: route `/api/`, burst 100, 10/s |
 
 use crate::bucket::{Limit, LimitError};
 use crate::identity::ApiKeys;
+use crate::store::redis::RedisSettings;
 use clap::{Parser, ValueEnum};
 use ipnet::IpNet;
 use serde::Deserialize;
@@ -33,6 +41,10 @@ use std::time::Duration;
 pub enum Backend {
     /// In this process: exact, fast, but each instance has its own buckets.
     Memory,
+    /// Redis, GET/compute/SET: racy on purpose, the baseline to beat.
+    Naive,
+    /// Redis, one atomic Lua script per check.
+    Lua,
 }
 
 impl Backend {
@@ -40,6 +52,8 @@ impl Backend {
     pub fn as_str(self) -> &'static str {
         match self {
             Backend::Memory => "memory",
+            Backend::Naive => "naive",
+            Backend::Lua => "lua",
         }
     }
 }
@@ -83,6 +97,31 @@ pub struct Cli {
     /// Lock shards of the memory backend [default: 64]
     #[arg(long, env = "RL_MEMORY_SHARDS")]
     pub memory_shards: Option<usize>,
+    /// Redis URL for the naive and lua backends [default: redis://127.0.0.1:6379]
+    #[arg(long, env = "RL_REDIS_URL")]
+    pub redis_url: Option<String>,
+    /// A Redis Cluster seed node URL (repeatable); switches to cluster mode
+    #[arg(
+        long = "redis-cluster",
+        env = "RL_REDIS_CLUSTER",
+        value_delimiter = ','
+    )]
+    pub redis_cluster: Vec<String>,
+    /// Prefix of every Redis key [default: rl:]
+    #[arg(long, env = "RL_REDIS_PREFIX")]
+    pub redis_prefix: Option<String>,
+    /// Time allowed to open a Redis connection [default: 200ms]
+    #[arg(long, env = "RL_REDIS_CONNECT_TIMEOUT")]
+    pub redis_connect_timeout: Option<String>,
+    /// Time allowed for one Redis answer [default: 50ms]
+    #[arg(long, env = "RL_REDIS_RESPONSE_TIMEOUT")]
+    pub redis_response_timeout: Option<String>,
+    /// Reconnection attempts / cluster retries per failure [default: 1]
+    #[arg(long, env = "RL_REDIS_RETRIES")]
+    pub redis_retries: Option<u32>,
+    /// Added to a bucket's time-to-full for its key's TTL [default: 1s]
+    #[arg(long, env = "RL_REDIS_TTL_MARGIN")]
+    pub redis_ttl_margin: Option<String>,
 }
 
 /// The file, as written. Unknown fields are errors (a typo must not be
@@ -99,6 +138,8 @@ struct FileConfig {
     #[serde(default)]
     memory: MemoryFile,
     #[serde(default)]
+    redis: RedisFile,
+    #[serde(default)]
     api_keys: Vec<ApiKeyFile>,
     policies: Option<Vec<PolicyFile>>,
 }
@@ -108,6 +149,18 @@ struct FileConfig {
 struct MemoryFile {
     max_keys: Option<usize>,
     shards: Option<usize>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RedisFile {
+    url: Option<String>,
+    cluster: Option<Vec<String>>,
+    prefix: Option<String>,
+    connect_timeout: Option<String>,
+    response_timeout: Option<String>,
+    retries: Option<u32>,
+    ttl_margin: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -194,6 +247,8 @@ pub struct Config {
     pub ipv6_prefix: u8,
     /// Memory backend settings.
     pub memory: MemoryConfig,
+    /// Redis settings (used by the naive and lua backends).
+    pub redis: RedisSettings,
     /// Verified API keys.
     pub api_keys: Vec<ApiKeyConfig>,
     /// Route policies.
@@ -435,6 +490,30 @@ impl Config {
             ));
         }
 
+        let backend = cli.backend.or(file.backend).unwrap_or(Backend::Memory);
+        if backend != Backend::Memory && key_secret.is_none() {
+            return Err(invalid(
+                "key_secret",
+                format!(
+                    "is required with backend {}: instances sharing Redis must hash client identities alike",
+                    backend.as_str()
+                ),
+            ));
+        }
+        let redis = Self::redis(RedisFile {
+            url: cli.redis_url.or(file.redis.url),
+            cluster: if cli.redis_cluster.is_empty() {
+                file.redis.cluster
+            } else {
+                Some(cli.redis_cluster)
+            },
+            prefix: cli.redis_prefix.or(file.redis.prefix),
+            connect_timeout: cli.redis_connect_timeout.or(file.redis.connect_timeout),
+            response_timeout: cli.redis_response_timeout.or(file.redis.response_timeout),
+            retries: cli.redis_retries.or(file.redis.retries),
+            ttl_margin: cli.redis_ttl_margin.or(file.redis.ttl_margin),
+        })?;
+
         let api_keys = Self::api_keys(file.api_keys)?;
         let policies = match file.policies {
             None => default_policies(),
@@ -443,14 +522,70 @@ impl Config {
 
         Ok(Self {
             listen,
-            backend: cli.backend.or(file.backend).unwrap_or(Backend::Memory),
+            backend,
             instance_id,
             trusted_proxies,
             key_secret,
             ipv6_prefix,
             memory: MemoryConfig { max_keys, shards },
+            redis,
             api_keys,
             policies,
+        })
+    }
+
+    fn redis(r: RedisFile) -> Result<RedisSettings, ConfigError> {
+        let duration = |field: &str, value: Option<String>, default: &str| {
+            parse_period(value.as_deref().unwrap_or(default))
+                .map_err(|m| invalid(format!("redis.{field}"), m))
+        };
+        let check_url = |field: String, url: &str| {
+            if url.starts_with("redis://") || url.starts_with("rediss://") {
+                Ok(())
+            } else {
+                Err(invalid(field, format!("{url:?} is not a redis:// URL")))
+            }
+        };
+        let (urls, cluster) = match r.cluster {
+            Some(seeds) if !seeds.is_empty() => {
+                for (i, url) in seeds.iter().enumerate() {
+                    check_url(format!("redis.cluster[{i}]"), url)?;
+                }
+                (seeds, true)
+            }
+            _ => {
+                let url = r.url.unwrap_or_else(|| "redis://127.0.0.1:6379".into());
+                check_url("redis.url".into(), &url)?;
+                (vec![url], false)
+            }
+        };
+        let prefix = r.prefix.unwrap_or_else(|| "rl:".into());
+        if prefix.len() > 64
+            || prefix.contains(['{', '}'])
+            || prefix.chars().any(char::is_whitespace)
+        {
+            return Err(invalid(
+                "redis.prefix",
+                "must be at most 64 characters without braces (they would move the hash tag) or spaces",
+            ));
+        }
+        let response_timeout = duration("response_timeout", r.response_timeout, "50ms")?;
+        let connect_timeout = duration("connect_timeout", r.connect_timeout, "200ms")?;
+        let retries = r.retries.unwrap_or(1);
+        if retries > 10 {
+            return Err(invalid(
+                "redis.retries",
+                "must be at most 10 on a request path",
+            ));
+        }
+        Ok(RedisSettings {
+            urls,
+            cluster,
+            prefix,
+            connect_timeout,
+            response_timeout,
+            retries,
+            ttl_margin: duration("ttl_margin", r.ttl_margin, "1s")?,
         })
     }
 

@@ -21,7 +21,9 @@ async fn main() -> anyhow::Result<()> {
             "key_secret not set: identities are hashed with a random per-process key; set RL_KEY_SECRET when instances share a store"
         );
     }
-    let state = server::build_state(&config, Arc::new(FastClock::default()));
+    let state = server::build_state(&config, Arc::new(FastClock::default()))
+        .await
+        .context("cannot set up the Redis connection")?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.listen))?;

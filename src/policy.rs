@@ -149,6 +149,11 @@ impl Limiter {
         self.store.backend()
     }
 
+    /// Whether the store can decide right now.
+    pub async fn ready(&self) -> Result<(), StoreError> {
+        self.store.ready().await
+    }
+
     /// Decide a request to `route` (a route template) by `method`.
     pub async fn check(
         &self,

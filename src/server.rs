@@ -5,21 +5,44 @@ use crate::clock::Clock;
 use crate::config::{Backend, Config};
 use crate::metrics as m;
 use crate::policy::Limiter;
-use crate::store::{MemoryStore, Store};
+use crate::store::redis::RedisConnection;
+use crate::store::{LuaStore, MemoryStore, NaiveStore, Store};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
 
-/// Builds the shared state of one instance from validated config.
-pub fn build_state(config: &Config, clock: Arc<dyn Clock>) -> AppState {
-    let store: Arc<dyn Store> = match config.backend {
+/// Builds the store the config names. Standalone Redis connects lazily (the
+/// service starts while Redis is away); a cluster must answer now.
+pub async fn build_store(config: &Config) -> Result<Arc<dyn Store>, redis::RedisError> {
+    Ok(match config.backend {
         Backend::Memory => Arc::new(MemoryStore::new(
             config.memory.max_keys,
             config.memory.shards,
         )),
-    };
+        Backend::Naive => {
+            let connection = RedisConnection::connect(&config.redis).await?;
+            Arc::new(NaiveStore::new(connection, &config.redis))
+        }
+        Backend::Lua => {
+            let connection = RedisConnection::connect(&config.redis).await?;
+            Arc::new(LuaStore::new(connection, &config.redis))
+        }
+    })
+}
+
+/// Builds the shared state of one instance from validated config.
+pub async fn build_state(
+    config: &Config,
+    clock: Arc<dyn Clock>,
+) -> Result<AppState, redis::RedisError> {
+    let store = build_store(config).await?;
+    Ok(state_with_store(config, store, clock))
+}
+
+/// The shared state of one instance around a given store.
+pub fn state_with_store(config: &Config, store: Arc<dyn Store>, clock: Arc<dyn Clock>) -> AppState {
     let handle = m::install();
     metrics::gauge!(m::INSTANCE_INFO, "instance" => config.instance_id.clone(), "backend" => config.backend.as_str())
         .set(1.0);

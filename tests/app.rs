@@ -7,7 +7,8 @@ use http_body_util::BodyExt;
 use ratelimiter::api::app;
 use ratelimiter::clock::ManualClock;
 use ratelimiter::config::Config;
-use ratelimiter::server::build_state;
+use ratelimiter::server::state_with_store;
+use ratelimiter::store::MemoryStore;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tower::ServiceExt;
@@ -18,7 +19,12 @@ fn example_app() -> axum::Router {
     let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/example.toml"))
         .unwrap();
     let config = Config::from_toml(&text).unwrap();
-    app(build_state(&config, Arc::new(ManualClock::new(T0))))
+    let store = Arc::new(MemoryStore::new(1000, 4));
+    app(state_with_store(
+        &config,
+        store,
+        Arc::new(ManualClock::new(T0)),
+    ))
 }
 
 fn request(method: &str, uri: &str, headers: &[(&str, &str)], body: Option<&str>) -> Request<Body> {

@@ -44,13 +44,19 @@ impl Reference {
         let now = i128::from(now);
         let last = self.last.unwrap_or(now);
         let at = now.max(last);
+        let before = (self.tokens, self.last);
         self.tokens = (self.tokens + Q::from_integer(at - last) * self.rate).min(self.burst);
         self.last = Some(at);
         let cost = Q::from_integer(cost.into());
         let allowed = self.tokens >= cost;
+        let tokens = self.tokens;
         if allowed {
             self.tokens -= cost;
+        } else {
+            // A denial leaves no trace.
+            (self.tokens, self.last) = before;
         }
+        let tokens_after = if allowed { self.tokens } else { tokens };
         let wait = |deficit: Q| {
             if deficit <= Q::from_integer(0) {
                 0
@@ -60,9 +66,9 @@ impl Reference {
         };
         RefDecision {
             allowed,
-            remaining: self.tokens.floor().to_integer(),
-            retry_after_us: wait(cost - self.tokens),
-            reset_us: wait(self.burst - self.tokens),
+            remaining: tokens_after.floor().to_integer(),
+            retry_after_us: wait(cost - tokens_after),
+            reset_us: wait(self.burst - tokens_after),
         }
     }
 }

@@ -165,6 +165,10 @@ impl MemoryStore {
         // The common case, a known key, takes one probe and updates in place.
         if let Some(entry) = map.get_mut(&key) {
             let (decision, state) = bucket::check(limit, Some(entry.state(limit)), cost, now)?;
+            if !decision.allowed {
+                // A denial changes nothing (see `bucket::check`).
+                return Ok(decision);
+            }
             if !decision.reset.is_zero() {
                 *entry = Entry::new(state, &decision, now);
                 return Ok(decision);

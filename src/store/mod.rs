@@ -8,8 +8,10 @@
 //! method for callers that can use it directly.
 
 mod memory;
+pub mod redis;
 
 pub use memory::MemoryStore;
+pub use redis::{LuaStore, NaiveStore};
 
 use crate::bucket::{CostExceedsBurst, Decision, Limit};
 use crate::clock::Micros;
@@ -46,6 +48,9 @@ pub enum StoreError {
     /// The request can never fit the bucket (a configuration error).
     #[error(transparent)]
     CostExceedsBurst(#[from] CostExceedsBurst),
+    /// Redis failed or did not answer in time.
+    #[error("redis: {0}")]
+    Redis(#[from] ::redis::RedisError),
 }
 
 impl StoreError {
@@ -53,6 +58,42 @@ impl StoreError {
     pub fn kind(&self) -> &'static str {
         match self {
             StoreError::CostExceedsBurst(_) => "cost_exceeds_burst",
+            StoreError::Redis(e) => redis_error_kind(e),
+        }
+    }
+}
+
+/// Classifies a Redis error into one bounded metric label. Order matters:
+/// a timeout is also an I/O error, and a refusal is also a dropped connection.
+pub fn redis_error_kind(e: &::redis::RedisError) -> &'static str {
+    use ::redis::{ErrorKind, ServerErrorKind};
+    if e.is_timeout() {
+        "timeout"
+    } else if e.is_connection_refusal() {
+        "connection_refused"
+    } else if e.is_connection_dropped() {
+        "connection_dropped"
+    } else if e.is_io_error() {
+        "io"
+    } else {
+        match e.kind() {
+            ErrorKind::Server(
+                ServerErrorKind::Moved
+                | ServerErrorKind::Ask
+                | ServerErrorKind::TryAgain
+                | ServerErrorKind::ClusterDown
+                | ServerErrorKind::CrossSlot,
+            ) => "cluster",
+            ErrorKind::ClusterConnectionNotFound => "cluster",
+            ErrorKind::Server(ServerErrorKind::BusyLoading) => "loading",
+            ErrorKind::Server(ServerErrorKind::NoScript) => "noscript",
+            ErrorKind::Server(ServerErrorKind::ReadOnly | ServerErrorKind::MasterDown) => {
+                "readonly"
+            }
+            ErrorKind::AuthenticationFailed | ErrorKind::Server(ServerErrorKind::NoPerm) => "auth",
+            ErrorKind::Server(_) => "server",
+            ErrorKind::Parse | ErrorKind::UnexpectedReturnType => "response",
+            _ => "client",
         }
     }
 }
@@ -71,4 +112,9 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
 
     /// The backend's name, as used in metric labels and logs.
     fn backend(&self) -> &'static str;
+
+    /// Whether the store can decide right now (for `/readyz`).
+    fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(std::future::ready(Ok(())))
+    }
 }

@@ -1,0 +1,384 @@
+//! Bucket state in Redis: the atomic Lua store and, deliberately, a racy one.
+//!
+//! The moment two instances run behind a balancer, in-process buckets lie:
+//! N instances admit N times the limit. Moving the state into Redis fixes
+//! that only if the read-modify-write is atomic:
+//!
+//! - [`LuaStore`] (`--backend lua`) runs `lua/token_bucket.lua` with EVALSHA
+//!   (redis-rs `Script` reloads it on NOSCRIPT). Redis runs a script to the
+//!   end before anything else, so read, refill, spend and write are one step
+//!   and no two instances can spend the same token.
+//! - [`NaiveStore`] (`--backend naive`) does GET, computes with the same pure
+//!   core in Rust, then SET. Between another instance's GET and SET this one
+//!   can read the same token, and both spend it. It exists to *measure* that
+//!   race (`cargo run -p loadtest -- race`); it is never a default.
+//!
+//! Both store the same value (two little-endian doubles: tokens in units,
+//! and the instant they were computed for) under `<prefix>{<bucket hex>}`:
+//! the hash tag keeps every key a script touches in one cluster slot, and
+//! the prefix lets deployments share a Redis. Keys expire when their bucket
+//! would be full again (plus a margin), which is exactly "no key".
+//!
+//! Connections: one multiplexed connection per process (standalone, through
+//! a `ConnectionManager` that reconnects) or a cluster connection; concurrent
+//! checks are pipelined on it. Timeouts and retries are set for a request
+//! path: the client defaults (500 ms response timeout, 6 retries) would stall
+//! every request behind a sick Redis.
+
+use super::{BoxFuture, BucketKey, Store, StoreError};
+use crate::bucket::{self, BucketState, Decision, Limit};
+use crate::clock::Micros;
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, Pipeline, RedisError, RedisFuture, Script, Value};
+use std::time::Duration;
+
+/// The token bucket script, as shipped in `lua/`.
+pub const TOKEN_BUCKET_LUA: &str = include_str!("../../lua/token_bucket.lua");
+
+/// How to reach Redis.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisSettings {
+    /// `redis://host:port[/db]` for standalone, or the seed nodes of a cluster.
+    pub urls: Vec<String>,
+    /// Whether `urls` are cluster seed nodes.
+    pub cluster: bool,
+    /// Prefix of every key (before the hash tag).
+    pub prefix: String,
+    /// Time allowed to open a connection.
+    pub connect_timeout: Duration,
+    /// Time allowed for one command's answer.
+    pub response_timeout: Duration,
+    /// Reconnection attempts (standalone) or retries (cluster) per failure.
+    pub retries: u32,
+    /// Added to a bucket's time-to-full to get its key's TTL.
+    pub ttl_margin: Duration,
+}
+
+/// A standalone or cluster connection; both pipeline concurrent callers.
+#[derive(Clone)]
+pub enum RedisConnection {
+    /// One server, reconnecting on failure.
+    Standalone(ConnectionManager),
+    /// A Redis Cluster, routed by slot.
+    Cluster(ClusterConnection),
+}
+
+impl std::fmt::Debug for RedisConnection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RedisConnection::Standalone(_) => "RedisConnection::Standalone",
+            RedisConnection::Cluster(_) => "RedisConnection::Cluster",
+        })
+    }
+}
+
+impl ConnectionLike for RedisConnection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            RedisConnection::Standalone(c) => c.req_packed_command(cmd),
+            RedisConnection::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            RedisConnection::Standalone(c) => c.req_packed_commands(pipeline, offset, count),
+            RedisConnection::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            RedisConnection::Standalone(c) => c.get_db(),
+            RedisConnection::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+impl RedisConnection {
+    /// Connects as `settings` say. Standalone connects lazily (the first
+    /// command connects), so the service can start while Redis is away;
+    /// a cluster needs its slot map and connects now.
+    pub async fn connect(settings: &RedisSettings) -> Result<Self, RedisError> {
+        if settings.cluster {
+            let client = redis::cluster::ClusterClientBuilder::new(settings.urls.clone())
+                .connection_timeout(settings.connect_timeout)
+                .response_timeout(settings.response_timeout)
+                .retries(settings.retries)
+                .min_retry_wait(1)
+                .max_retry_wait(50)
+                .build()?;
+            Ok(Self::Cluster(client.get_async_connection().await?))
+        } else {
+            let url = settings
+                .urls
+                .first()
+                .map(String::as_str)
+                .unwrap_or("redis://127.0.0.1:6379");
+            let client = redis::Client::open(url)?;
+            let config = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(settings.connect_timeout))
+                .set_response_timeout(Some(settings.response_timeout))
+                .set_number_of_retries(settings.retries as usize)
+                .set_min_delay(Duration::from_millis(1))
+                .set_max_delay(Duration::from_millis(50));
+            Ok(Self::Standalone(ConnectionManager::new_lazy_with_config(
+                client, config,
+            )?))
+        }
+    }
+}
+
+impl RedisConnection {
+    /// PING: can this connection answer right now?
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        let mut connection = self.clone();
+        let _: String = redis::cmd("PING").query_async(&mut connection).await?;
+        Ok(())
+    }
+}
+
+/// The Redis key of a bucket: `<prefix>{<32 hex digits>}`.
+pub fn redis_key(prefix: &str, key: BucketKey) -> String {
+    format!("{prefix}{{{key}}}")
+}
+
+/// The stored value: tokens and last, as two little-endian doubles (what
+/// the Lua script's `struct.pack('<d<d', ...)` writes). Exact: both are
+/// integers of at most 2^53.
+pub fn encode_state(state: BucketState) -> [u8; 16] {
+    let mut out = [0u8; 16];
+    out[..8].copy_from_slice(&(state.tokens as f64).to_le_bytes());
+    out[8..].copy_from_slice(&(state.last as f64).to_le_bytes());
+    out
+}
+
+/// The inverse of [`encode_state`]; `None` for a value of another shape.
+pub fn decode_state(bytes: &[u8]) -> Option<BucketState> {
+    let tokens = f64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
+    let last = f64::from_le_bytes(bytes.get(8..16)?.try_into().ok()?);
+    if bytes.len() != 16 || !(tokens >= 0.0 && last >= 0.0) {
+        return None;
+    }
+    Some(BucketState {
+        tokens: tokens as u64,
+        last: last as u64,
+    })
+}
+
+fn ttl_ms(reset: Duration, margin: Duration) -> u64 {
+    let reset_ms = reset.as_micros().div_ceil(1000);
+    u64::try_from(reset_ms + margin.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// The atomic store: one EVALSHA per check.
+#[derive(Debug)]
+pub struct LuaStore {
+    connection: RedisConnection,
+    script: Script,
+    prefix: String,
+    ttl_margin_ms: u64,
+}
+
+impl LuaStore {
+    /// A store on `connection`.
+    pub fn new(connection: RedisConnection, settings: &RedisSettings) -> Self {
+        Self {
+            connection,
+            script: Script::new(TOKEN_BUCKET_LUA),
+            prefix: settings.prefix.clone(),
+            ttl_margin_ms: u64::try_from(settings.ttl_margin.as_millis()).unwrap_or(u64::MAX),
+        }
+    }
+
+    /// The script's SHA1, as EVALSHA sends it.
+    pub fn script_hash(&self) -> &str {
+        self.script.get_hash()
+    }
+
+    /// The decision for `key`, straight from the script.
+    pub async fn check_key(
+        &self,
+        key: BucketKey,
+        limit: &Limit,
+        cost: u64,
+        now: Micros,
+    ) -> Result<Decision, StoreError> {
+        if cost > limit.burst() {
+            return Err(bucket::CostExceedsBurst {
+                cost,
+                burst: limit.burst(),
+            }
+            .into());
+        }
+        let mut connection = self.connection.clone();
+        let (allowed, remaining, retry_after, reset): (u8, u64, u64, u64) = self
+            .script
+            .key(redis_key(&self.prefix, key))
+            .arg(now)
+            .arg(cost)
+            .arg(limit.units_per_token())
+            .arg(limit.rate_units_per_us())
+            .arg(limit.capacity_units())
+            .arg(self.ttl_margin_ms)
+            .invoke_async(&mut connection)
+            .await?;
+        Ok(Decision {
+            allowed: allowed == 1,
+            limit: limit.burst(),
+            remaining,
+            retry_after: Duration::from_micros(retry_after),
+            reset: Duration::from_micros(reset),
+        })
+    }
+}
+
+impl Store for LuaStore {
+    fn check(
+        &self,
+        key: BucketKey,
+        limit: Limit,
+        cost: u64,
+        now: Micros,
+    ) -> BoxFuture<'_, Result<Decision, StoreError>> {
+        Box::pin(async move { self.check_key(key, &limit, cost, now).await })
+    }
+
+    fn backend(&self) -> &'static str {
+        "lua"
+    }
+
+    fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(self.connection.ping())
+    }
+}
+
+/// The racy baseline: GET, decide in Rust, SET. See the module docs.
+#[derive(Debug)]
+pub struct NaiveStore {
+    connection: RedisConnection,
+    prefix: String,
+    ttl_margin: Duration,
+}
+
+impl NaiveStore {
+    /// A store on `connection`.
+    pub fn new(connection: RedisConnection, settings: &RedisSettings) -> Self {
+        Self {
+            connection,
+            prefix: settings.prefix.clone(),
+            ttl_margin: settings.ttl_margin,
+        }
+    }
+
+    /// Step 1 of 2: read the bucket (`None`: absent, i.e. full).
+    pub async fn read(&self, key: BucketKey) -> Result<Option<BucketState>, StoreError> {
+        let mut connection = self.connection.clone();
+        let raw: Option<Vec<u8>> = redis::cmd("GET")
+            .arg(redis_key(&self.prefix, key))
+            .query_async(&mut connection)
+            .await?;
+        Ok(raw.as_deref().and_then(decode_state))
+    }
+
+    /// Step 2 of 2: decide on what was read and write the result back,
+    /// unconditionally: whatever another instance wrote since step 1 is lost.
+    pub async fn decide_and_write(
+        &self,
+        key: BucketKey,
+        read: Option<BucketState>,
+        limit: &Limit,
+        cost: u64,
+        now: Micros,
+    ) -> Result<Decision, StoreError> {
+        let (decision, state) = bucket::check(limit, read, cost, now)?;
+        if decision.allowed {
+            let mut connection = self.connection.clone();
+            let redis_key = redis_key(&self.prefix, key);
+            if decision.reset.is_zero() {
+                let () = redis::cmd("DEL")
+                    .arg(redis_key)
+                    .query_async(&mut connection)
+                    .await?;
+            } else {
+                let () = redis::cmd("SET")
+                    .arg(redis_key)
+                    .arg(&encode_state(state)[..])
+                    .arg("PX")
+                    .arg(ttl_ms(decision.reset, self.ttl_margin))
+                    .query_async(&mut connection)
+                    .await?;
+            }
+        }
+        Ok(decision)
+    }
+}
+
+impl Store for NaiveStore {
+    fn check(
+        &self,
+        key: BucketKey,
+        limit: Limit,
+        cost: u64,
+        now: Micros,
+    ) -> BoxFuture<'_, Result<Decision, StoreError>> {
+        Box::pin(async move {
+            let read = self.read(key).await?;
+            self.decide_and_write(key, read, &limit, cost, now).await
+        })
+    }
+
+    fn backend(&self) -> &'static str {
+        "naive"
+    }
+
+    fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(self.connection.ping())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn state_encoding_round_trips_exactly_at_the_limits() {
+        for state in [
+            BucketState { tokens: 0, last: 0 },
+            BucketState {
+                tokens: crate::bucket::MAX_EXACT,
+                last: 1 << 53,
+            },
+            BucketState {
+                tokens: 123_456_789,
+                last: 1_800_000_000_123_457,
+            },
+        ] {
+            assert_eq!(decode_state(&encode_state(state)), Some(state));
+        }
+        assert_eq!(decode_state(b"short"), None);
+        assert_eq!(decode_state(&[0xff; 16]), None, "NaN is not a state");
+        assert_eq!(decode_state(&[0; 17]), None);
+    }
+
+    #[test]
+    fn keys_carry_a_hash_tag_and_the_prefix() {
+        let key = redis_key("rl:", BucketKey(0xabc));
+        assert_eq!(key, "rl:{00000000000000000000000000000abc}");
+    }
+
+    #[test]
+    fn ttl_rounds_up_and_adds_the_margin() {
+        assert_eq!(
+            ttl_ms(Duration::from_micros(1), Duration::from_millis(1000)),
+            1001
+        );
+        assert_eq!(ttl_ms(Duration::from_micros(3000), Duration::ZERO), 3);
+    }
+}

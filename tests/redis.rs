@@ -1,0 +1,302 @@
+//! The Redis stores against real redis-server processes (standalone and a
+//! 3-node cluster), started on free loopback ports and killed on drop.
+
+mod support;
+
+use proptest::prelude::*;
+use proptest::test_runner::{Config as ProptestConfig, TestRunner};
+use ratelimiter::bucket::{self, BucketState, Limit};
+use ratelimiter::store::redis::{RedisConnection, RedisSettings, redis_key};
+use ratelimiter::store::{BucketKey, LuaStore, NaiveStore, Store};
+use std::sync::Arc;
+use std::time::Duration;
+use support::{RedisCluster, RedisServer};
+
+const T0: u64 = 1_800_000_000_000_000;
+
+fn settings(urls: Vec<String>, cluster: bool) -> RedisSettings {
+    RedisSettings {
+        urls,
+        cluster,
+        prefix: "test:".into(),
+        connect_timeout: Duration::from_secs(2),
+        response_timeout: Duration::from_secs(2),
+        retries: 2,
+        ttl_margin: Duration::from_secs(1),
+    }
+}
+
+async fn lua(settings: &RedisSettings) -> LuaStore {
+    LuaStore::new(RedisConnection::connect(settings).await.unwrap(), settings)
+}
+
+/// Random (limit, calls) cases: odd periods, backwards steps, long idles.
+fn cases() -> impl Strategy<Value = ((u64, u64, u64), Vec<(i64, u64)>)> {
+    (
+        1u64..=50,
+        1u64..=30,
+        prop_oneof![Just(1_000_000u64), Just(60_000_000), 1u64..=7_000_000],
+    )
+        .prop_flat_map(|limit| {
+            let steps = prop::collection::vec(
+                (
+                    prop_oneof![
+                        5 => 0i64..=3_000,
+                        3 => 0i64..=3_000_000,
+                        1 => 0i64..=200_000_000,
+                        1 => -2_000_000i64..=0,
+                    ],
+                    0..=limit.0.min(4),
+                ),
+                1..120,
+            );
+            (Just(limit), steps)
+        })
+}
+
+/// The Rust core and the Lua script, fed the same (now, cost, limit), give
+/// identical decisions: allowed, remaining, retry_after and reset.
+fn differential(store: &LuaStore, rt: &tokio::runtime::Runtime, cases: u32) {
+    let mut runner = TestRunner::new(ProptestConfig::with_cases(cases));
+    let key = std::cell::Cell::new(0u128);
+    runner
+        .run(&cases_strategy(), |((burst, rate, period), steps)| {
+            key.set(key.get() + 1);
+            let bucket_key = BucketKey(
+                key.get()
+                    .wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835),
+            );
+            let limit = Limit::new(burst, rate, Duration::from_micros(period)).unwrap();
+            let mut state: Option<BucketState> = None;
+            let mut now = T0 as i64;
+            for (dt, cost) in steps {
+                now += dt;
+                let (expected, next) = bucket::check(&limit, state, cost, now as u64).unwrap();
+                // The stores keep no key for a full bucket.
+                state = (!expected.reset.is_zero()).then_some(next);
+                let got = rt
+                    .block_on(store.check_key(bucket_key, &limit, cost, now as u64))
+                    .unwrap();
+                prop_assert_eq!(got, expected, "now={} cost={} limit={:?}", now, cost, limit);
+            }
+            Ok(())
+        })
+        .unwrap();
+}
+
+fn cases_strategy() -> impl Strategy<Value = ((u64, u64, u64), Vec<(i64, u64)>)> {
+    cases()
+}
+
+#[test]
+fn lua_script_matches_the_rust_core_on_a_real_redis() {
+    let redis = RedisServer::start();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let store = rt.block_on(lua(&settings(vec![redis.url()], false)));
+    differential(&store, &rt, 96);
+}
+
+#[test]
+fn lua_script_matches_the_rust_core_on_a_redis_cluster() {
+    let cluster = RedisCluster::start();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let store = rt.block_on(lua(&settings(cluster.urls(), true)));
+    differential(&store, &rt, 24);
+    // The keys really spread over the three masters.
+    let holding = cluster
+        .nodes
+        .iter()
+        .filter(|n| n.cli(&["dbsize"]).trim() != "0")
+        .count();
+    assert!(holding >= 2, "keys landed on only {holding} node(s)");
+}
+
+#[tokio::test]
+async fn keys_expire_when_full_again_and_denials_write_nothing() {
+    let redis = RedisServer::start();
+    let settings = settings(vec![redis.url()], false);
+    let store = lua(&settings).await;
+    let key = BucketKey(42);
+    let name = redis_key("test:", key);
+    // 2 tokens, 1 per second: spend both.
+    let limit = Limit::per_second(2, 1).unwrap();
+    for _ in 0..2 {
+        assert!(store.check_key(key, &limit, 1, T0).await.unwrap().allowed);
+    }
+    let ttl: u64 = redis.cli(&["pttl", &name]).trim().parse().unwrap();
+    // Full again in 2 s, plus the 1 s margin.
+    assert!((2_900..=3_000).contains(&ttl), "pttl {ttl}");
+    let before = redis.cli(&["get", &name]);
+    let denied = store.check_key(key, &limit, 1, T0 + 500_000).await.unwrap();
+    assert!(!denied.allowed);
+    assert_eq!(denied.retry_after, Duration::from_millis(500));
+    assert_eq!(redis.cli(&["get", &name]), before, "a denial wrote");
+    // A zero-cost peek after the bucket refilled removes the key.
+    let peek = store
+        .check_key(key, &limit, 0, T0 + 2_000_000)
+        .await
+        .unwrap();
+    assert_eq!(peek.remaining, 2);
+    assert_eq!(redis.cli(&["exists", &name]).trim(), "0");
+    // The script's code (comments aside) never reads the server clock.
+    let code: String = ratelimiter::store::redis::TOKEN_BUCKET_LUA
+        .lines()
+        .map(|l| l.split("--").next().unwrap_or_default())
+        .collect();
+    assert!(code.contains("redis.call('GET'"));
+    assert!(
+        !code.to_uppercase().contains("TIME"),
+        "the script reads a clock"
+    );
+}
+
+#[tokio::test]
+async fn evalsha_survives_script_flush() {
+    let redis = RedisServer::start();
+    let store = lua(&settings(vec![redis.url()], false)).await;
+    let limit = Limit::per_second(5, 1).unwrap();
+    assert!(
+        store
+            .check_key(BucketKey(1), &limit, 1, T0)
+            .await
+            .unwrap()
+            .allowed
+    );
+    redis.cli(&["script", "flush"]);
+    // NOSCRIPT makes redis-rs load the script and retry.
+    let d = store.check_key(BucketKey(1), &limit, 1, T0).await.unwrap();
+    assert_eq!(d.remaining, 3);
+    assert!(
+        redis
+            .cli(&["script", "exists", store.script_hash()])
+            .contains('1')
+    );
+}
+
+/// The naive store's race, deterministically: two instances read the last
+/// token before either writes, and both spend it.
+#[tokio::test]
+async fn naive_read_modify_write_double_spends_the_last_token() {
+    let redis = RedisServer::start();
+    let settings = settings(vec![redis.url()], false);
+    let a = NaiveStore::new(
+        RedisConnection::connect(&settings).await.unwrap(),
+        &settings,
+    );
+    let b = NaiveStore::new(
+        RedisConnection::connect(&settings).await.unwrap(),
+        &settings,
+    );
+    let limit = Limit::new(3, 1, Duration::from_secs(3600)).unwrap();
+    let key = BucketKey(7);
+    // Spend 2 of 3 tokens: one left.
+    for _ in 0..2 {
+        assert!(a.check(key, limit, 1, T0).await.unwrap().allowed);
+    }
+    let seen_by_a = a.read(key).await.unwrap();
+    let seen_by_b = b.read(key).await.unwrap();
+    assert_eq!(seen_by_a, seen_by_b);
+    let first = a
+        .decide_and_write(key, seen_by_a, &limit, 1, T0)
+        .await
+        .unwrap();
+    let second = b
+        .decide_and_write(key, seen_by_b, &limit, 1, T0)
+        .await
+        .unwrap();
+    assert!(first.allowed && second.allowed, "both spent the last token");
+    // 4 admitted from a bucket of 3; the stored state shows only 3 spent.
+    assert!(!a.check(key, limit, 1, T0).await.unwrap().allowed);
+
+    // The same interleaving cannot happen to the script: it is one step.
+    let lua = lua(&settings).await;
+    let key = BucketKey(8);
+    let (x, y) = tokio::join!(
+        async {
+            let mut n = 0;
+            for _ in 0..50 {
+                n += u32::from(lua.check_key(key, &limit, 1, T0).await.unwrap().allowed);
+            }
+            n
+        },
+        async {
+            let mut n = 0;
+            for _ in 0..50 {
+                n += u32::from(lua.check_key(key, &limit, 1, T0).await.unwrap().allowed);
+            }
+            n
+        }
+    );
+    assert_eq!(x + y, 3);
+}
+
+#[tokio::test]
+async fn concurrent_lua_checks_from_many_connections_never_over_admit() {
+    let redis = RedisServer::start();
+    let settings = settings(vec![redis.url()], false);
+    let mut stores = Vec::new();
+    for _ in 0..4 {
+        stores.push(Arc::new(lua(&settings).await));
+    }
+    let limit = Limit::new(100, 1, Duration::from_secs(3600)).unwrap();
+    let mut tasks = Vec::new();
+    for i in 0..32 {
+        let store = Arc::clone(&stores[i % 4]);
+        tasks.push(tokio::spawn(async move {
+            let mut n = 0u32;
+            for _ in 0..20 {
+                n += u32::from(
+                    store
+                        .check_key(BucketKey(99), &limit, 1, T0)
+                        .await
+                        .unwrap()
+                        .allowed,
+                );
+            }
+            n
+        }));
+    }
+    let mut admitted = 0;
+    for t in tasks {
+        admitted += t.await.unwrap();
+    }
+    assert_eq!(admitted, 100, "640 concurrent checks on a bucket of 100");
+}
+
+#[tokio::test]
+async fn redis_errors_are_classified() {
+    // Nothing listens on this port: the first command is refused.
+    let port = support::free_port();
+    let s = settings(vec![format!("redis://127.0.0.1:{port}")], false);
+    let store = lua(&s).await;
+    let err = store
+        .check_key(BucketKey(1), &Limit::per_second(1, 1).unwrap(), 1, T0)
+        .await
+        .unwrap_err();
+    assert!(
+        ["connection_refused", "io", "connection_dropped"].contains(&err.kind()),
+        "{err} classified as {}",
+        err.kind()
+    );
+    // A Redis that hangs (SIGSTOP is issue 5's; here, a listener that never
+    // answers) is a timeout within the configured response timeout.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut s = settings(
+        vec![format!(
+            "redis://127.0.0.1:{}",
+            silent.local_addr().unwrap().port()
+        )],
+        false,
+    );
+    s.response_timeout = Duration::from_millis(100);
+    s.connect_timeout = Duration::from_millis(100);
+    s.retries = 0;
+    let store = lua(&s).await;
+    let started = std::time::Instant::now();
+    let err = store
+        .check_key(BucketKey(1), &Limit::per_second(1, 1).unwrap(), 1, T0)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), "timeout", "{err}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+}
