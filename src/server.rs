@@ -1,7 +1,7 @@
 //! Bind, serve, shut down gracefully; and build an instance from config.
 
 use crate::api::{AppState, app};
-use crate::clock::Clock;
+use crate::clock::{Clock, FastClock};
 use crate::config::{Backend, Config};
 use crate::metrics as m;
 use crate::policy::Limiter;
@@ -48,6 +48,63 @@ pub fn state_with_store(config: &Config, store: Arc<dyn Store>, clock: Arc<dyn C
         .set(1.0);
     let limiter = Arc::new(Limiter::new(config, store, clock));
     AppState::new(limiter, handle, &config.instance_id)
+}
+
+/// Why an instance could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The Redis connection could not be set up (a cluster did not answer).
+    #[error("cannot set up the Redis connection: {0}")]
+    Redis(#[from] redis::RedisError),
+    /// The listen address could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// Serving failed.
+    #[error("serving failed: {0}")]
+    Serve(std::io::Error),
+}
+
+/// Runs one instance as configured until ctrl-c or SIGTERM: what the
+/// `ratelimiter` binary does (and what load tests spawn).
+pub async fn run(config: Config) -> Result<(), RunError> {
+    if config.key_secret.is_none() {
+        tracing::warn!(
+            "key_secret not set: identities are hashed with a random per-process key; set RL_KEY_SECRET when instances share a store"
+        );
+    }
+    let state = build_state(&config, Arc::new(FastClock::default())).await?;
+    let listener = TcpListener::bind(config.listen)
+        .await
+        .map_err(|source| RunError::Bind {
+            addr: config.listen,
+            source,
+        })?;
+    tracing::info!(
+        listen = %listener.local_addr().map_err(RunError::Serve)?,
+        instance = %config.instance_id,
+        backend = config.backend.as_str(),
+        policies = config.policies.len(),
+        api_keys = config.api_keys.len(),
+        "serving"
+    );
+    serve(listener, state, shutdown_signal())
+        .await
+        .map_err(RunError::Serve)
+}
+
+/// Logs to stderr, filtered by `RUST_LOG` (default `info`).
+pub fn init_logging() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
 }
 
 /// Serves `state` on `listener` until `shutdown` completes, then finishes

@@ -8,7 +8,13 @@
 //! reports) follows the subcommand. Runs are bounded: without `-t` or
 //! `--iterations` a scenario stops after 10 s.
 //!
-//! Later scenarios (race, compare, hotkey) join this binary as subcommands.
+//! `cargo run -p loadtest -- race` is the race hammer (see `race.rs`): it
+//! starts its own redis-server and API instances (this executable re-run as
+//! `loadtest instance`, which runs exactly what the `ratelimiter` binary
+//! runs) and measures over-admission per backend.
+
+mod cluster;
+mod race;
 
 use clap::{Parser, Subcommand};
 use goose::config::GooseConfiguration;
@@ -32,6 +38,12 @@ enum Command {
         #[command(flatten)]
         goose: Box<GooseConfiguration>,
     },
+    /// Over-admission of one key across K instances: memory vs naive vs lua.
+    Race(race::RaceArgs),
+    /// Run one API instance (what the `ratelimiter` binary runs); used by
+    /// the scenarios that start their own instances.
+    #[command(hide = true)]
+    Instance(ratelimiter::config::Cli),
 }
 
 static API_KEY: OnceLock<String> = OnceLock::new();
@@ -87,6 +99,19 @@ async fn main() -> anyhow::Result<()> {
             }
             println!("smoke: admitted {admitted}, throttled {throttled}, other {other}");
             anyhow::ensure!(other == 0, "{other} responses were neither 200 nor 429");
+        }
+        Command::Race(args) => {
+            let results = race::run(args).await?;
+            let errors: usize = results.iter().map(|r| r.errors).sum();
+            anyhow::ensure!(
+                errors == 0,
+                "{errors} requests failed (neither 200 nor 429)"
+            );
+        }
+        Command::Instance(cli) => {
+            ratelimiter::server::init_logging();
+            let config = ratelimiter::config::Config::load(cli)?;
+            ratelimiter::server::run(config).await?;
         }
     }
     Ok(())
