@@ -14,6 +14,7 @@
 //! runs) and measures over-admission per backend.
 
 mod cluster;
+mod luabench;
 mod race;
 
 use clap::{Parser, Subcommand};
@@ -40,6 +41,8 @@ enum Command {
     },
     /// Over-admission of one key across K instances: memory vs naive vs lua.
     Race(race::RaceArgs),
+    /// Redis CPU per Lua check and checks/s, ours beside redis-benchmark.
+    LuaBench(luabench::LuaBenchArgs),
     /// Run one API instance (what the `ratelimiter` binary runs); used by
     /// the scenarios that start their own instances.
     #[command(hide = true)]
@@ -108,6 +111,7 @@ async fn main() -> anyhow::Result<()> {
                 "{errors} requests failed (neither 200 nor 429)"
             );
         }
+        Command::LuaBench(args) => luabench::run(args).await?,
         Command::Instance(cli) => {
             ratelimiter::server::init_logging();
             let config = ratelimiter::config::Config::load(cli)?;

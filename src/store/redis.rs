@@ -13,8 +13,9 @@
 //!   can read the same token, and both spend it. It exists to *measure* that
 //!   race (`cargo run -p loadtest -- race`); it is never a default.
 //!
-//! Both store the same value (two little-endian doubles: tokens in units,
-//! and the instant they were computed for) under `<prefix>{<bucket hex>}`:
+//! Both store the same value (three little-endian doubles: tokens in units,
+//! the instant they were computed for, and when the key expires) under
+//! `<prefix>{<bucket hex>}`:
 //! the hash tag keeps every key a script touches in one cluster slot, and
 //! the prefix lets deployments share a Redis. Keys expire when their bucket
 //! would be full again (plus a margin), which is exactly "no key".
@@ -149,21 +150,24 @@ pub fn redis_key(prefix: &str, key: BucketKey) -> String {
     format!("{prefix}{{{key}}}")
 }
 
-/// The stored value: tokens and last, as two little-endian doubles (what
-/// the Lua script's `struct.pack('<d<d', ...)` writes). Exact: both are
-/// integers of at most 2^53.
-pub fn encode_state(state: BucketState) -> [u8; 16] {
-    let mut out = [0u8; 16];
+/// The stored value: tokens, last and the key's expiry (microseconds), as
+/// three little-endian doubles (what the Lua script's
+/// `struct.pack('<d<d<d', ...)` writes). Exact: all are integers of at most
+/// 2^53.
+pub fn encode_state(state: BucketState, expires: Micros) -> [u8; 24] {
+    let mut out = [0u8; 24];
     out[..8].copy_from_slice(&(state.tokens as f64).to_le_bytes());
-    out[8..].copy_from_slice(&(state.last as f64).to_le_bytes());
+    out[8..16].copy_from_slice(&(state.last as f64).to_le_bytes());
+    out[16..].copy_from_slice(&(expires as f64).to_le_bytes());
     out
 }
 
-/// The inverse of [`encode_state`]; `None` for a value of another shape.
+/// The bucket state in a value written by [`encode_state`] (or the
+/// script); `None` for a value of another shape.
 pub fn decode_state(bytes: &[u8]) -> Option<BucketState> {
     let tokens = f64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
     let last = f64::from_le_bytes(bytes.get(8..16)?.try_into().ok()?);
-    if bytes.len() != 16 || !(tokens >= 0.0 && last >= 0.0) {
+    if bytes.len() != 24 || !(tokens >= 0.0 && last >= 0.0) {
         return None;
     }
     Some(BucketState {
@@ -172,9 +176,23 @@ pub fn decode_state(bytes: &[u8]) -> Option<BucketState> {
     })
 }
 
+/// The TTL for a bucket full again in `reset`: rounded up to whole
+/// milliseconds, plus the margin (as the script computes it).
 fn ttl_ms(reset: Duration, margin: Duration) -> u64 {
-    let reset_ms = reset.as_micros().div_ceil(1000);
-    u64::try_from(reset_ms + margin.as_millis()).unwrap_or(u64::MAX)
+    u64::try_from((reset + margin).as_micros().div_ceil(1000)).unwrap_or(u64::MAX)
+}
+
+/// Parses the script's reply, `"<allowed> <remaining> <retry_us> <reset_us>"`.
+fn parse_reply(reply: &str) -> Option<(bool, u64, u64, u64)> {
+    let mut fields = reply.split(' ').map(str::parse::<u64>);
+    let allowed = fields.next()?.ok()?;
+    let remaining = fields.next()?.ok()?;
+    let retry = fields.next()?.ok()?;
+    let reset = fields.next()?.ok()?;
+    if fields.next().is_some() || allowed > 1 {
+        return None;
+    }
+    Some((allowed == 1, remaining, retry, reset))
 }
 
 /// The atomic store: one EVALSHA per check.
@@ -183,7 +201,7 @@ pub struct LuaStore {
     connection: RedisConnection,
     script: Script,
     prefix: String,
-    ttl_margin_ms: u64,
+    ttl_margin_us: u64,
 }
 
 impl LuaStore {
@@ -193,7 +211,7 @@ impl LuaStore {
             connection,
             script: Script::new(TOKEN_BUCKET_LUA),
             prefix: settings.prefix.clone(),
-            ttl_margin_ms: u64::try_from(settings.ttl_margin.as_millis()).unwrap_or(u64::MAX),
+            ttl_margin_us: u64::try_from(settings.ttl_margin.as_micros()).unwrap_or(u64::MAX),
         }
     }
 
@@ -218,7 +236,7 @@ impl LuaStore {
             .into());
         }
         let mut connection = self.connection.clone();
-        let (allowed, remaining, retry_after, reset): (u8, u64, u64, u64) = self
+        let reply: String = self
             .script
             .key(redis_key(&self.prefix, key))
             .arg(now)
@@ -226,11 +244,18 @@ impl LuaStore {
             .arg(limit.units_per_token())
             .arg(limit.rate_units_per_us())
             .arg(limit.capacity_units())
-            .arg(self.ttl_margin_ms)
+            .arg(self.ttl_margin_us)
             .invoke_async(&mut connection)
             .await?;
+        let (allowed, remaining, retry_after, reset) = parse_reply(&reply).ok_or_else(|| {
+            RedisError::from((
+                redis::ErrorKind::UnexpectedReturnType,
+                "token bucket script reply",
+                reply.clone(),
+            ))
+        })?;
         Ok(Decision {
-            allowed: allowed == 1,
+            allowed,
             limit: limit.burst(),
             remaining,
             retry_after: Duration::from_micros(retry_after),
@@ -307,11 +332,12 @@ impl NaiveStore {
                     .query_async(&mut connection)
                     .await?;
             } else {
+                let ttl = ttl_ms(decision.reset, self.ttl_margin);
                 let () = redis::cmd("SET")
                     .arg(redis_key)
-                    .arg(&encode_state(state)[..])
+                    .arg(&encode_state(state, now + ttl * 1000)[..])
                     .arg("PX")
-                    .arg(ttl_ms(decision.reset, self.ttl_margin))
+                    .arg(ttl)
                     .query_async(&mut connection)
                     .await?;
             }
@@ -348,6 +374,18 @@ mod tests {
     use super::*;
 
     #[test]
+    fn script_replies_parse_strictly() {
+        assert_eq!(parse_reply("1 99 0 100000"), Some((true, 99, 0, 100_000)));
+        assert_eq!(
+            parse_reply("0 0 4503599627370496 1"),
+            Some((false, 0, 1 << 52, 1))
+        );
+        for bad in ["", "1 2 3", "1 2 3 4 5", "2 0 0 0", "1 -1 0 0", "1 2.5 0 0"] {
+            assert_eq!(parse_reply(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
     fn state_encoding_round_trips_exactly_at_the_limits() {
         for state in [
             BucketState { tokens: 0, last: 0 },
@@ -360,11 +398,11 @@ mod tests {
                 last: 1_800_000_000_123_457,
             },
         ] {
-            assert_eq!(decode_state(&encode_state(state)), Some(state));
+            assert_eq!(decode_state(&encode_state(state, 1 << 53)), Some(state));
         }
         assert_eq!(decode_state(b"short"), None);
-        assert_eq!(decode_state(&[0xff; 16]), None, "NaN is not a state");
-        assert_eq!(decode_state(&[0; 17]), None);
+        assert_eq!(decode_state(&[0xff; 24]), None, "NaN is not a state");
+        assert_eq!(decode_state(&[0; 16]), None);
     }
 
     #[test]
