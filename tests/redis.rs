@@ -300,3 +300,53 @@ async fn redis_errors_are_classified() {
     assert_eq!(err.kind(), "timeout", "{err}");
     assert!(started.elapsed() < Duration::from_secs(5));
 }
+
+/// Whatever path a write takes (a new TTL, or keeping the old one), the key
+/// outlives its bucket's refill by at least half the margin; and dense
+/// spending rarely pays for a new TTL.
+#[tokio::test]
+async fn key_expiry_always_covers_the_refill_and_is_rarely_reset() {
+    let redis = RedisServer::start();
+    let settings = settings(vec![redis.url()], false);
+    let store = lua(&settings).await;
+    let mut conn = RedisConnection::connect(&settings).await.unwrap();
+    let margin_us = settings.ttl_margin.as_micros() as u64;
+    let limit = Limit::per_second(1000, 100).unwrap();
+    let key = BucketKey(77);
+    let name = redis_key("test:", key);
+    let mut now = T0;
+    let (mut writes, mut refreshes, mut last_pttl) = (0, 0, 0i64);
+    for i in 0..600u64 {
+        now += (i * 7919) % 9_000; // 0..9 ms apart: faster than the 100/s refill
+        let d = store.check_key(key, &limit, 1, now).await.unwrap();
+        if !d.allowed {
+            continue;
+        }
+        writes += 1;
+        let value: Vec<u8> = redis::cmd("GET")
+            .arg(&name)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let expires = f64::from_le_bytes(value[16..24].try_into().unwrap()) as u64;
+        let reset = d.reset.as_micros() as u64;
+        assert!(
+            expires >= now + reset + margin_us / 2,
+            "expires {expires} < now {now} + reset {reset} + margin/2"
+        );
+        let pttl: i64 = redis::cmd("PTTL")
+            .arg(&name)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        if pttl > last_pttl {
+            refreshes += 1;
+        }
+        last_pttl = pttl;
+    }
+    assert!(writes > 100, "only {writes} admitted");
+    assert!(
+        refreshes * 4 < writes,
+        "{refreshes} TTL resets for {writes} writes"
+    );
+}
