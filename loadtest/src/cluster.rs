@@ -66,9 +66,22 @@ pub struct Redis {
 impl Redis {
     /// Starts `redis-server` from PATH on a free port.
     pub fn start() -> anyhow::Result<Self> {
+        Self::start_on(None)
+    }
+
+    /// Starts `redis-server`, pinned to `cpu` (through `taskset`) if given.
+    pub fn start_on(cpu: Option<usize>) -> anyhow::Result<Self> {
         let dir = ScratchDir::new("redis")?;
         let port = free_port()?;
-        let child = Command::new("redis-server")
+        let mut command = match cpu {
+            Some(cpu) => {
+                let mut c = Command::new("taskset");
+                c.args(["-c", &cpu.to_string(), "redis-server"]);
+                c
+            }
+            None => Command::new("redis-server"),
+        };
+        let child = command
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .arg("--dir")
             .arg(&dir.0)

@@ -32,6 +32,11 @@ pub struct LuaBenchArgs {
     /// Distinct keys
     #[arg(long, default_value_t = 10_000)]
     pub keys: u64,
+    /// Pin the redis-server this command starts to this CPU (with taskset);
+    /// run the command itself pinned elsewhere (`taskset -c 1 loadtest ...`)
+    /// so clients and server do not share a core
+    #[arg(long)]
+    pub redis_cpu: Option<usize>,
     /// Use this Redis instead of starting a redis-server (it is FLUSHED and its stats reset)
     #[arg(long)]
     pub redis_url: Option<String>,
@@ -43,7 +48,13 @@ const NOW: u64 = 1_800_000_000_000_000;
 struct Stats {
     calls: u64,
     usec: f64,
-    cpu_seconds: f64,
+}
+
+/// The server's CPU time so far (user + system), seconds.
+async fn cpu_seconds(conn: &mut RedisConnection) -> anyhow::Result<f64> {
+    let cpu: String = redis::cmd("INFO").arg("cpu").query_async(conn).await?;
+    Ok(field(&cpu, "used_cpu_user").context("used_cpu_user")?
+        + field(&cpu, "used_cpu_sys").context("used_cpu_sys")?)
 }
 
 async fn reset(conn: &mut RedisConnection) -> anyhow::Result<()> {
@@ -74,12 +85,9 @@ async fn stats(conn: &mut RedisConnection) -> anyhow::Result<Stats> {
             .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
             .and_then(|v| v.parse().ok())
     };
-    let cpu: String = redis::cmd("INFO").arg("cpu").query_async(conn).await?;
     Ok(Stats {
         calls: get("calls").context("calls")? as u64,
         usec: get("usec").context("usec")?,
-        cpu_seconds: field(&cpu, "used_cpu_user").context("used_cpu_user")?
-            + field(&cpu, "used_cpu_sys").context("used_cpu_sys")?,
     })
 }
 
@@ -121,7 +129,7 @@ async fn ours(url: &str, args: &LuaBenchArgs) -> anyhow::Result<Side> {
     // Load the script and warm up before the stats are reset.
     store.check_key(BucketKey(0), &limit, 1, NOW).await?;
     reset(&mut admin).await?;
-    let before = stats(&mut admin).await.ok();
+    let cpu_before = cpu_seconds(&mut admin).await?;
     let next = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
     let mut tasks = Vec::new();
@@ -152,12 +160,12 @@ async fn ours(url: &str, args: &LuaBenchArgs) -> anyhow::Result<Side> {
     }
     let elapsed = started.elapsed().as_secs_f64();
     let after = stats(&mut admin).await?;
-    let cpu_before = before.map(|s| s.cpu_seconds).unwrap_or(0.0);
+    let cpu_after = cpu_seconds(&mut admin).await?;
     Ok(Side {
         name: "our client (LuaStore, redis-rs multiplexed), token_bucket.lua",
         per_second: args.checks as f64 / elapsed,
         script_us: after.usec / after.calls as f64,
-        server_cpu_us: (after.cpu_seconds - cpu_before) * 1e6 / after.calls as f64,
+        server_cpu_us: (cpu_after - cpu_before) * 1e6 / after.calls as f64,
     })
 }
 
@@ -196,7 +204,7 @@ async fn redis_benchmark(
     // Each script starts from an empty keyspace (they store different types).
     let () = redis::cmd("FLUSHALL").query_async(&mut admin).await?;
     reset(&mut admin).await?;
-    let before = stats(&mut admin).await.ok();
+    let cpu_before = cpu_seconds(&mut admin).await?;
     let limit = limit();
     let out = std::process::Command::new("redis-benchmark")
         .args(["-h", "127.0.0.1", "-p", port, "-c", "1", "--csv"])
@@ -235,12 +243,12 @@ async fn redis_benchmark(
         .find_map(|l| l.split(',').nth(1)?.trim_matches('"').parse().ok())
         .with_context(|| format!("no rate in redis-benchmark output: {text}"))?;
     let after = stats(&mut admin).await?;
-    let cpu_before = before.map(|s| s.cpu_seconds).unwrap_or(0.0);
+    let cpu_after = cpu_seconds(&mut admin).await?;
     Ok(Side {
         name,
         per_second: rps,
         script_us: after.usec / after.calls as f64,
-        server_cpu_us: (after.cpu_seconds - cpu_before) * 1e6 / after.calls as f64,
+        server_cpu_us: (cpu_after - cpu_before) * 1e6 / after.calls as f64,
     })
 }
 
@@ -250,7 +258,7 @@ pub async fn run(args: LuaBenchArgs) -> anyhow::Result<()> {
     let url = match &args.redis_url {
         Some(u) => u.clone(),
         None => {
-            own = Redis::start()?;
+            own = Redis::start_on(args.redis_cpu)?;
             own.url.clone()
         }
     };
