@@ -6,7 +6,7 @@ mod support;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use support::{ChildGuard, RedisCluster, RedisServer, TempDir, free_port};
+use support::{ChildGuard, RedisCluster, RedisServer, TempDir, free_port, wait_for_port};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ratelimiter");
 const BUDGET: usize = 100;
@@ -53,14 +53,7 @@ fn start_fleet(n: usize, flags: &[&str]) -> Fleet {
             .spawn()
             .unwrap();
         children.push(ChildGuard(child));
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "instance {i} did not start"
-            );
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
+        wait_for_port(port, "ratelimiter instance");
         urls.push(format!("http://127.0.0.1:{port}/api/items"));
     }
     Fleet {

@@ -1,40 +1,13 @@
 //! The binary as a user runs it: flags, env, start-up validation, signals.
 
+mod support;
+
 use std::io::Read;
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+use support::{ChildGuard, TempDir, free_port, wait_for_port};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ratelimiter");
-
-/// A child process killed on drop, so a failing test leaves nothing behind.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn wait_ready(port: u16) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while Instant::now() < deadline {
-        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("server on port {port} did not come up");
-}
 
 /// GETs `path` `n` times in a row; returns each status and the last body.
 fn get_n(port: u16, path: &str, n: usize) -> (Vec<u16>, String) {
@@ -59,23 +32,6 @@ fn get_n(port: u16, path: &str, n: usize) -> (Vec<u16>, String) {
     })
 }
 
-/// A scratch directory removed on drop.
-struct TempDir(std::path::PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("rl-proc-{tag}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        Self(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 #[test]
 fn serves_from_env_and_flags_and_stops_cleanly_on_sigterm() {
     let port = free_port();
@@ -97,8 +53,8 @@ fn serves_from_env_and_flags_and_stops_cleanly_on_sigterm() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut proc = Proc(child);
-    wait_ready(port);
+    let mut proc = ChildGuard(child);
+    wait_for_port(port, "ratelimiter");
     // The env var beats the file's instance_id.
     let (status, body) = get_n(port, "/api/status", 1);
     assert_eq!(status, [200]);

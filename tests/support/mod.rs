@@ -119,7 +119,8 @@ pub fn free_port() -> u16 {
         .port()
 }
 
-fn wait_for_port(port: u16, what: &str) {
+/// Waits (up to 20 s) until something accepts connections on `port`.
+pub fn wait_for_port(port: u16, what: &str) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     while std::time::Instant::now() < deadline {
         if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
