@@ -48,6 +48,15 @@ fn start_fleet(n: usize, flags: &[&str]) -> Fleet {
             .arg("--config")
             .arg(&config)
             .args(flags)
+            // These tests are about admission, not latency: a 2-core CI
+            // machine running three debug instances and 32 clients may
+            // starve a task past the 50 ms default, which would be a 503.
+            .args([
+                "--redis-response-timeout",
+                "2s",
+                "--redis-connect-timeout",
+                "2s",
+            ])
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
             .spawn()

@@ -167,6 +167,12 @@ pub async fn run(args: RaceArgs) -> anyhow::Result<Vec<RaceResult>> {
                     backend.clone(),
                     "--redis-url".to_owned(),
                     redis_url.clone(),
+                    // The race measures admission, not latency: generous
+                    // timeouts keep a starved core from turning into 503s.
+                    "--redis-response-timeout".to_owned(),
+                    "2s".to_owned(),
+                    "--redis-connect-timeout".to_owned(),
+                    "2s".to_owned(),
                     // A fresh bucket per run: a new key prefix.
                     "--redis-prefix".to_owned(),
                     format!("race:{}:{run_id}:", std::process::id()),
