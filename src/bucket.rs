@@ -112,6 +112,18 @@ impl Limit {
         Self::new(burst, per_second, Duration::from_secs(1))
     }
 
+    /// Refuses a cost no amount of waiting could admit.
+    pub fn check_cost(&self, cost: u64) -> Result<(), CostExceedsBurst> {
+        if cost > self.burst {
+            Err(CostExceedsBurst {
+                cost,
+                burst: self.burst,
+            })
+        } else {
+            Ok(())
+        }
+    }
+
     /// Capacity in whole tokens.
     pub fn burst(&self) -> u64 {
         self.burst
@@ -184,12 +196,7 @@ pub fn check(
     cost: u64,
     now: Micros,
 ) -> Result<(Decision, BucketState), CostExceedsBurst> {
-    if cost > limit.burst {
-        return Err(CostExceedsBurst {
-            cost,
-            burst: limit.burst,
-        });
-    }
+    limit.check_cost(cost)?;
     // Everything fits u64: capacity is at most 2^52 (checked in `Limit::new`),
     // and a refill that would overflow is larger than any deficit anyway.
     // (u64 rather than u128 also keeps the divisions single instructions.)

@@ -228,13 +228,7 @@ impl LuaStore {
         cost: u64,
         now: Micros,
     ) -> Result<Decision, StoreError> {
-        if cost > limit.burst() {
-            return Err(bucket::CostExceedsBurst {
-                cost,
-                burst: limit.burst(),
-            }
-            .into());
-        }
+        limit.check_cost(cost)?;
         let mut connection = self.connection.clone();
         let reply: String = self
             .script
