@@ -196,7 +196,7 @@ impl Limiter {
                 };
                 metrics::counter!(
                     m::DECISIONS_TOTAL,
-                    "policy" => policy.name.to_string(),
+                    "policy" => Arc::clone(&policy.name),
                     "decision" => verdict,
                     "key_kind" => kind.as_str(),
                 )
