@@ -57,14 +57,6 @@ async fn cpu_seconds(conn: &mut RedisConnection) -> anyhow::Result<f64> {
         + field(&cpu, "used_cpu_sys").context("used_cpu_sys")?)
 }
 
-async fn reset(conn: &mut RedisConnection) -> anyhow::Result<()> {
-    let () = redis::cmd("CONFIG")
-        .arg("RESETSTAT")
-        .query_async(conn)
-        .await?;
-    Ok(())
-}
-
 fn field(info: &str, name: &str) -> Option<f64> {
     info.lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
@@ -104,21 +96,53 @@ pub struct Side {
     pub server_cpu_us: f64,
 }
 
+/// Connection settings shared by both sides: generous timeouts (this
+/// measures cost, not latency) and the same TTL margin.
+fn bench_settings(url: &str, prefix: &str) -> RedisSettings {
+    RedisSettings {
+        urls: vec![url.to_owned()],
+        cluster: false,
+        prefix: prefix.to_owned(),
+        connect_timeout: Duration::from_secs(2),
+        response_timeout: Duration::from_secs(2),
+        retries: 1,
+        ttl_margin: Duration::from_secs(1),
+    }
+}
+
+/// Resets the server's stats; returns its CPU time so far.
+async fn begin(admin: &mut RedisConnection) -> anyhow::Result<f64> {
+    let () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query_async(admin)
+        .await?;
+    cpu_seconds(admin).await
+}
+
+/// One side's figures, from the server's stats since [`begin`].
+async fn finish(
+    admin: &mut RedisConnection,
+    name: &'static str,
+    per_second: f64,
+    cpu_before: f64,
+) -> anyhow::Result<Side> {
+    let after = stats(admin).await?;
+    let cpu_after = cpu_seconds(admin).await?;
+    Ok(Side {
+        name,
+        per_second,
+        script_us: after.usec / after.calls as f64,
+        server_cpu_us: (cpu_after - cpu_before) * 1e6 / after.calls as f64,
+    })
+}
+
 fn limit() -> Limit {
     // 10^12 tokens at 1 per microsecond: never empty, every check writes.
     Limit::new(1_000_000_000_000, 1_000_000, Duration::from_secs(1)).expect("valid")
 }
 
 async fn ours(url: &str, args: &LuaBenchArgs) -> anyhow::Result<Side> {
-    let settings = RedisSettings {
-        urls: vec![url.to_owned()],
-        cluster: false,
-        prefix: "bench:".into(),
-        connect_timeout: Duration::from_secs(2),
-        response_timeout: Duration::from_secs(2),
-        retries: 1,
-        ttl_margin: Duration::from_secs(1),
-    };
+    let settings = bench_settings(url, "bench:");
     let mut admin = RedisConnection::connect(&settings).await?;
     let () = redis::cmd("FLUSHALL").query_async(&mut admin).await?;
     let store = Arc::new(LuaStore::new(
@@ -128,8 +152,7 @@ async fn ours(url: &str, args: &LuaBenchArgs) -> anyhow::Result<Side> {
     let limit = limit();
     // Load the script and warm up before the stats are reset.
     store.check_key(BucketKey(0), &limit, 1, NOW).await?;
-    reset(&mut admin).await?;
-    let cpu_before = cpu_seconds(&mut admin).await?;
+    let cpu_before = begin(&mut admin).await?;
     let next = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
     let mut tasks = Vec::new();
@@ -158,15 +181,9 @@ async fn ours(url: &str, args: &LuaBenchArgs) -> anyhow::Result<Side> {
     for t in tasks {
         t.await??;
     }
-    let elapsed = started.elapsed().as_secs_f64();
-    let after = stats(&mut admin).await?;
-    let cpu_after = cpu_seconds(&mut admin).await?;
-    Ok(Side {
-        name: "our client (LuaStore, redis-rs multiplexed), token_bucket.lua",
-        per_second: args.checks as f64 / elapsed,
-        script_us: after.usec / after.calls as f64,
-        server_cpu_us: (cpu_after - cpu_before) * 1e6 / after.calls as f64,
-    })
+    let per_second = args.checks as f64 / started.elapsed().as_secs_f64();
+    let name = "our client (LuaStore, redis-rs multiplexed), token_bucket.lua";
+    finish(&mut admin, name, per_second, cpu_before).await
 }
 
 /// The "straightforward" script the issue measured as a baseline: a hash
@@ -185,15 +202,7 @@ async fn redis_benchmark(
     name: &'static str,
     script: &str,
 ) -> anyhow::Result<Side> {
-    let settings = RedisSettings {
-        urls: vec![url.to_owned()],
-        cluster: false,
-        prefix: String::new(),
-        connect_timeout: Duration::from_secs(2),
-        response_timeout: Duration::from_secs(2),
-        retries: 1,
-        ttl_margin: Duration::from_secs(1),
-    };
+    let settings = bench_settings(url, "");
     let mut admin = RedisConnection::connect(&settings).await?;
     let sha: String = redis::cmd("SCRIPT")
         .arg("LOAD")
@@ -203,8 +212,7 @@ async fn redis_benchmark(
     let port = url.rsplit(':').next().context("port in the Redis URL")?;
     // Each script starts from an empty keyspace (they store different types).
     let () = redis::cmd("FLUSHALL").query_async(&mut admin).await?;
-    reset(&mut admin).await?;
-    let cpu_before = cpu_seconds(&mut admin).await?;
+    let cpu_before = begin(&mut admin).await?;
     let limit = limit();
     let out = std::process::Command::new("redis-benchmark")
         .args(["-h", "127.0.0.1", "-p", port, "-c", "1", "--csv"])
@@ -226,7 +234,7 @@ async fn redis_benchmark(
         .arg(limit.units_per_token().to_string())
         .arg(limit.rate_units_per_us().to_string())
         .arg(limit.capacity_units().to_string())
-        .arg("1000000")
+        .arg(settings.ttl_margin.as_micros().to_string())
         .output()
         .context("cannot run redis-benchmark (Debian: apt-get install redis-tools)")?;
     if !out.status.success() {
@@ -242,14 +250,7 @@ async fn redis_benchmark(
         .filter(|l| l.starts_with("\"EVALSHA"))
         .find_map(|l| l.split(',').nth(1)?.trim_matches('"').parse().ok())
         .with_context(|| format!("no rate in redis-benchmark output: {text}"))?;
-    let after = stats(&mut admin).await?;
-    let cpu_after = cpu_seconds(&mut admin).await?;
-    Ok(Side {
-        name,
-        per_second: rps,
-        script_us: after.usec / after.calls as f64,
-        server_cpu_us: (cpu_after - cpu_before) * 1e6 / after.calls as f64,
-    })
+    finish(&mut admin, name, rps, cpu_before).await
 }
 
 /// Runs both sides and prints a table.
