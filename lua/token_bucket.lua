@@ -13,6 +13,9 @@
 -- ARGV[4]  rate: units refilled per microsecond (the reduced rate)
 -- ARGV[5]  capacity: burst x unit
 -- ARGV[6]  ttl margin in microseconds
+-- ARGV[7]  optional ceiling in units (at most capacity): after refill the
+--          bucket holds at most this many. Passed while a bucket is handed
+--          back from the local fallback, so Redis grants no fresh burst.
 --
 -- Returns "<allowed 1|0> <remaining> <retry_after_us> <reset_us>", one
 -- string: Redis converts a returned Lua table to a reply at about twice the
@@ -60,6 +63,8 @@ if tokens < cap then
   local refill = (at - last) * rate
   if refill >= cap - tokens then tokens = cap else tokens = tokens + refill end
 end
+local ceiling = tonumber(ARGV[7])
+if ceiling and tokens > ceiling then tokens = ceiling end
 
 local need = cost * unit
 local allowed = 0

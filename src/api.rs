@@ -7,12 +7,13 @@
 //! | `POST /api/orders` | places an order (JSON `{"item_id": 1, "quantity": 2}`) | policy matching `/api/orders` |
 //! | `GET /api/status` | instance id and backend | policy matching `/api/status` |
 //! | `GET /healthz` | liveness: the process answers | never |
-//! | `GET /readyz` | readiness: the limiter can decide | never |
+//! | `GET /readyz` | readiness: `ready`, or `degraded` while Redis is away (503 only if the failure mode is `closed`: otherwise the instance still serves, by its local share or open, and pulling every instance out of the balancer would turn a Redis blip into an outage) | never |
 //! | `GET /metrics` | Prometheus text | never |
 //!
 //! Policies match route *templates* (`MatchedPath`), so `/api/items/7` and
 //! `/api/items/8` share the policy and the metric label `/api/items/{id}`.
 
+use crate::failover::FailureMode;
 use crate::headers::{PROBLEM_JSON, Problem};
 use crate::limit::RateLimitLayer;
 use crate::policy::Limiter;
@@ -154,26 +155,37 @@ async fn healthz() -> &'static str {
 const READY_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(500);
 
 async fn readyz(State(state): State<AppState>) -> Response {
-    let backend = state.limiter.backend();
-    match tokio::time::timeout(READY_TIMEOUT, state.limiter.ready()).await {
-        Ok(Ok(())) => {
-            Json(serde_json::json!({ "status": "ready", "backend": backend })).into_response()
-        }
-        Ok(Err(e)) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(
-                serde_json::json!({ "status": "degraded", "backend": backend, "error": e.kind() }),
-            ),
-        )
-            .into_response(),
-        Err(_) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(
-                serde_json::json!({ "status": "degraded", "backend": backend, "error": "timeout" }),
-            ),
-        )
-            .into_response(),
-    }
+    let limiter = &state.limiter;
+    let backend = limiter.backend();
+    let breaker = limiter.failover().breaker_state().as_str();
+    let error = match tokio::time::timeout(READY_TIMEOUT, limiter.ready()).await {
+        Ok(Ok(())) => None,
+        Ok(Err(e)) => Some(e.kind()),
+        Err(_) => Some("timeout"),
+    };
+    let mode = limiter.failure_mode();
+    let Some(error) = error else {
+        return Json(serde_json::json!({
+            "status": "ready", "backend": backend, "breaker": breaker,
+        }))
+        .into_response();
+    };
+    let status = if mode == FailureMode::Closed {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::OK
+    };
+    (
+        status,
+        Json(serde_json::json!({
+            "status": "degraded",
+            "backend": backend,
+            "breaker": breaker,
+            "error": error,
+            "failure_mode": mode.as_str(),
+        })),
+    )
+        .into_response()
 }
 
 async fn metrics(State(state): State<AppState>) -> impl IntoResponse {

@@ -196,6 +196,26 @@ pub fn check(
     cost: u64,
     now: Micros,
 ) -> Result<(Decision, BucketState), CostExceedsBurst> {
+    check_within(limit, state, cost, now, u64::MAX)
+}
+
+/// [`check`], with the bucket holding at most `ceiling` units after refill.
+///
+/// This is how a bucket is handed back from a local fallback to the shared
+/// store without a fresh burst: while Redis was away, the client spent from
+/// a local bucket; Redis's bucket either refilled meanwhile or, after a
+/// restart, is absent (full). The caller passes the local bucket's level
+/// (scaled to the fleet) as the ceiling until the local bucket is full again,
+/// and the shared bucket cannot grant more than what the fallback left.
+/// Like any other bound, a ceiling a denial does not store: the caller keeps
+/// passing it while it applies, and it never raises a bucket.
+pub fn check_within(
+    limit: &Limit,
+    state: Option<BucketState>,
+    cost: u64,
+    now: Micros,
+    ceiling: u64,
+) -> Result<(Decision, BucketState), CostExceedsBurst> {
     limit.check_cost(cost)?;
     // Everything fits u64: capacity is at most 2^52 (checked in `Limit::new`),
     // and a refill that would overflow is larger than any deficit anyway.
@@ -213,6 +233,7 @@ pub fn check(
     let mut tokens = tokens.min(cap);
     let at = now.max(last);
     tokens += (at - last).saturating_mul(rate).min(cap - tokens);
+    tokens = tokens.min(ceiling);
     let cost_units = cost * unit;
     let allowed = tokens >= cost_units;
     if allowed {

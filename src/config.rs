@@ -22,10 +22,16 @@
 //! | `redis.response_timeout` | `--redis-response-timeout` / `RL_REDIS_RESPONSE_TIMEOUT` | `50ms` |
 //! | `redis.retries` | `--redis-retries` / `RL_REDIS_RETRIES` | `1` |
 //! | `redis.ttl_margin` | `--redis-ttl-margin` / `RL_REDIS_TTL_MARGIN` | `1s` |
+//! | `failure.mode` | `--failure-mode` / `RL_FAILURE_MODE` | `local` (`open`, `closed`, `local`; per policy: `failure_mode`) |
+//! | `failure.deadline` | `--failure-deadline` / `RL_FAILURE_DEADLINE` | `10ms` |
+//! | `failure.instances` | `--failure-instances` / `RL_FAILURE_INSTANCES` | `1` |
+//! | `failure.breaker_failures` | `--breaker-failures` / `RL_BREAKER_FAILURES` | `5` |
+//! | `failure.breaker_cooldown` | `--breaker-cooldown` / `RL_BREAKER_COOLDOWN` | `500ms` |
 //! | `[[api_keys]]` | file only | none |
 //! | `[[policies]]` | file only | one policy `api`: route `/api/`, burst 100, 10/s |
 
 use crate::bucket::{Limit, LimitError};
+use crate::failover::{FailoverSettings, FailureMode};
 use crate::identity::ApiKeys;
 use crate::store::redis::RedisSettings;
 use clap::{Parser, ValueEnum};
@@ -122,6 +128,21 @@ pub struct Cli {
     /// Added to a bucket's time-to-full for its key's TTL [default: 1s]
     #[arg(long, env = "RL_REDIS_TTL_MARGIN")]
     pub redis_ttl_margin: Option<String>,
+    /// What policies do while Redis cannot decide [default: local]
+    #[arg(long, env = "RL_FAILURE_MODE", value_enum)]
+    pub failure_mode: Option<FailureMode>,
+    /// The longest a request waits on Redis [default: 10ms]
+    #[arg(long, env = "RL_FAILURE_DEADLINE")]
+    pub failure_deadline: Option<String>,
+    /// Instances sharing the limit; the local fallback enforces 1/N of it [default: 1]
+    #[arg(long, env = "RL_FAILURE_INSTANCES")]
+    pub failure_instances: Option<u64>,
+    /// Consecutive Redis failures that open the circuit breaker [default: 5]
+    #[arg(long, env = "RL_BREAKER_FAILURES")]
+    pub breaker_failures: Option<u32>,
+    /// How long the open breaker waits before probing Redis [default: 500ms]
+    #[arg(long, env = "RL_BREAKER_COOLDOWN")]
+    pub breaker_cooldown: Option<String>,
 }
 
 /// The file, as written. Unknown fields are errors (a typo must not be
@@ -139,6 +160,8 @@ struct FileConfig {
     memory: MemoryFile,
     #[serde(default)]
     redis: RedisFile,
+    #[serde(default)]
+    failure: FailureFile,
     #[serde(default)]
     api_keys: Vec<ApiKeyFile>,
     policies: Option<Vec<PolicyFile>>,
@@ -161,6 +184,16 @@ struct RedisFile {
     response_timeout: Option<String>,
     retries: Option<u32>,
     ttl_margin: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FailureFile {
+    mode: Option<FailureMode>,
+    deadline: Option<String>,
+    instances: Option<u64>,
+    breaker_failures: Option<u32>,
+    breaker_cooldown: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -192,6 +225,7 @@ struct PolicyFile {
     per: Option<String>,
     cost: Option<u64>,
     anonymous: Option<LimitFile>,
+    failure_mode: Option<FailureMode>,
 }
 
 /// Memory backend settings.
@@ -219,6 +253,8 @@ pub struct PolicyConfig {
     pub anonymous: Option<Limit>,
     /// Tokens one request costs.
     pub cost: u64,
+    /// What this policy does while Redis cannot decide (`None`: `failure.mode`).
+    pub failure_mode: Option<FailureMode>,
 }
 
 /// A configured API key: its id and the SHA-256 of the key.
@@ -249,6 +285,8 @@ pub struct Config {
     pub memory: MemoryConfig,
     /// Redis settings (used by the naive and lua backends).
     pub redis: RedisSettings,
+    /// Deadline, breaker and failure mode around Redis.
+    pub failover: FailoverSettings,
     /// Verified API keys.
     pub api_keys: Vec<ApiKeyConfig>,
     /// Route policies.
@@ -301,6 +339,7 @@ pub fn default_policies() -> Vec<PolicyConfig> {
         limit: Some(limit),
         anonymous: Some(limit),
         cost: 1,
+        failure_mode: None,
     }]
 }
 
@@ -514,6 +553,14 @@ impl Config {
             ttl_margin: cli.redis_ttl_margin.or(file.redis.ttl_margin),
         })?;
 
+        let failover = Self::failover(FailureFile {
+            mode: cli.failure_mode.or(file.failure.mode),
+            deadline: cli.failure_deadline.or(file.failure.deadline),
+            instances: cli.failure_instances.or(file.failure.instances),
+            breaker_failures: cli.breaker_failures.or(file.failure.breaker_failures),
+            breaker_cooldown: cli.breaker_cooldown.or(file.failure.breaker_cooldown),
+        })?;
+
         let api_keys = Self::api_keys(file.api_keys)?;
         let policies = match file.policies {
             None => default_policies(),
@@ -529,8 +576,43 @@ impl Config {
             ipv6_prefix,
             memory: MemoryConfig { max_keys, shards },
             redis,
+            failover,
             api_keys,
             policies,
+        })
+    }
+
+    fn failover(f: FailureFile) -> Result<FailoverSettings, ConfigError> {
+        let defaults = FailoverSettings::default();
+        let duration = |field: &str, value: Option<String>, default: Duration| match value {
+            None => Ok(default),
+            Some(text) => parse_period(&text).map_err(|m| invalid(format!("failure.{field}"), m)),
+        };
+        let deadline = duration("deadline", f.deadline, defaults.deadline)?;
+        if deadline > Duration::from_secs(10) {
+            return Err(invalid(
+                "failure.deadline",
+                "must be at most 10s: it is how long a request may wait on Redis",
+            ));
+        }
+        let instances = f.instances.unwrap_or(defaults.instances);
+        if !(1..=10_000).contains(&instances) {
+            return Err(invalid("failure.instances", "must be from 1 to 10000"));
+        }
+        let breaker_failures = f.breaker_failures.unwrap_or(defaults.breaker_failures);
+        if breaker_failures == 0 {
+            return Err(invalid("failure.breaker_failures", "must be at least 1"));
+        }
+        Ok(FailoverSettings {
+            mode: f.mode.unwrap_or(defaults.mode),
+            deadline,
+            instances,
+            breaker_failures,
+            breaker_cooldown: duration(
+                "breaker_cooldown",
+                f.breaker_cooldown,
+                defaults.breaker_cooldown,
+            )?,
         })
     }
 
@@ -665,10 +747,11 @@ impl Config {
                     || p.rate.is_some()
                     || p.anonymous.is_some()
                     || p.cost.is_some()
+                    || p.failure_mode.is_some()
                 {
                     return Err(invalid(
                         &field,
-                        "an unlimited policy takes no burst, rate, cost or anonymous limit",
+                        "an unlimited policy takes no burst, rate, cost, anonymous limit or failure_mode",
                     ));
                 }
                 (None, None)
@@ -729,6 +812,7 @@ impl Config {
                 limit,
                 anonymous,
                 cost,
+                failure_mode: p.failure_mode,
             });
         }
         Ok(out)

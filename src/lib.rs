@@ -7,6 +7,9 @@
 //!   `(decision, state)`.
 //! - [`store`]: where bucket state lives, behind one narrow async trait; the
 //!   in-memory, sharded, memory-bounded store is here.
+//! - [`failover`]: what happens when the shared store misbehaves: a
+//!   deadline per check, a circuit breaker, and fail-open, fail-closed or a
+//!   bounded local share, as a wrapper around a store.
 //! - [`identity`]: who a request is: API key, or client IP behind trusted
 //!   proxies; turned into a keyed hash so stores never hold credentials.
 //! - [`headers`]: `RateLimit-*`, `Retry-After` and problem bodies, as pure
@@ -24,6 +27,7 @@ pub mod api;
 pub mod bucket;
 pub mod clock;
 pub mod config;
+pub mod failover;
 pub mod headers;
 pub mod identity;
 pub mod limit;

@@ -9,14 +9,25 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::sync::OnceLock;
 
 /// Counter: limiter decisions. Labels: `policy`, `decision`
-/// (`allowed`|`denied`), `key_kind` (`api_key`|`ip`|`unknown_api_key`).
+/// (`allowed`|`denied`|`unavailable`), `key_kind`
+/// (`api_key`|`ip`|`unknown_api_key`), `source` (`redis`|`memory`|`local`|
+/// `failopen`|`failclosed`: who decided; see `failover::Source`).
 pub const DECISIONS_TOTAL: &str = "ratelimit_decisions_total";
+/// Gauge: 1 while this instance's Redis breaker is not closed, so policies
+/// are decided by their failure mode (local share, open or closed).
+pub const FALLBACK_ACTIVE: &str = "ratelimit_fallback_active";
+/// Gauge: the Redis circuit breaker: 0 closed, 1 half-open, 2 open.
+pub const BREAKER_STATE: &str = "ratelimit_breaker_state";
+/// Counter: breaker state changes. Labels: `from`, `to`
+/// (`closed`|`open`|`half_open`).
+pub const BREAKER_TRANSITIONS_TOTAL: &str = "ratelimit_breaker_transitions_total";
 /// Histogram: time spent deciding (store round trip included). Labels: `backend`.
 pub const CHECK_DURATION_SECONDS: &str = "ratelimit_check_duration_seconds";
 /// Counter: requests refused before a decision because their identifying
 /// headers were malformed. Labels: `reason` (see `IdentityError::kind`).
 pub const IDENTITY_ERRORS_TOTAL: &str = "ratelimit_identity_errors_total";
-/// Counter: store failures. Labels: `backend`, `kind`.
+/// Counter: store failures. Labels: `backend`, `kind` (`deadline`: the
+/// check's deadline passed; the others from `store::redis_error_kind`).
 pub const STORE_ERRORS_TOTAL: &str = "ratelimit_store_errors_total";
 /// Counter: in-memory buckets dropped. Labels: `reason`: `idle` (full again,
 /// exact) or `pressure` (still refilling: `max_keys` is too small).
@@ -70,4 +81,13 @@ fn describe() {
         "In-memory buckets dropped: idle (exact) or pressure (max_keys too small)"
     );
     metrics::describe_gauge!(INSTANCE_INFO, "Instance id and backend, value 1");
+    metrics::describe_gauge!(
+        FALLBACK_ACTIVE,
+        "1 while Redis is bypassed and the failure mode decides"
+    );
+    metrics::describe_gauge!(
+        BREAKER_STATE,
+        "Redis circuit breaker: 0 closed, 1 half-open, 2 open"
+    );
+    metrics::describe_counter!(BREAKER_TRANSITIONS_TOTAL, "Circuit breaker state changes");
 }

@@ -4,11 +4,12 @@
 //! policy (by route template and method), identity (API key or address),
 //! bucket key (keyed hash), then one store call. It knows nothing of HTTP
 //! responses (that is [`crate::limit`]) nor of where state lives (that is
-//! the [`Store`]); failure policies will wrap the store, not this code.
+//! the [`Store`]); the failure policy wraps the store ([`Failover`]).
 
 use crate::bucket::{Decision, Limit};
 use crate::clock::Clock;
 use crate::config::{Config, PolicyConfig};
+use crate::failover::{Failover, FailoverError, FailureMode, Source};
 use crate::identity::{ApiKeys, Identifier, IdentityError, KeyHasher, KeyKind};
 use crate::metrics as m;
 use crate::store::{Store, StoreError};
@@ -28,10 +29,12 @@ pub struct RoutePolicy {
     anonymous: Option<Limit>,
     /// Tokens one request costs.
     pub cost: u64,
+    /// What to do while the shared store cannot decide.
+    pub failure_mode: FailureMode,
 }
 
-impl From<&PolicyConfig> for RoutePolicy {
-    fn from(p: &PolicyConfig) -> Self {
+impl RoutePolicy {
+    fn new(p: &PolicyConfig, default_mode: FailureMode) -> Self {
         Self {
             name: Arc::from(p.name.as_str()),
             route: p.route.clone(),
@@ -39,6 +42,7 @@ impl From<&PolicyConfig> for RoutePolicy {
             keyed: p.limit,
             anonymous: p.anonymous,
             cost: p.cost,
+            failure_mode: p.failure_mode.unwrap_or(default_mode),
         }
     }
 }
@@ -60,9 +64,12 @@ pub struct Policies {
 }
 
 impl Policies {
-    /// From validated config.
-    pub fn new(configs: &[PolicyConfig]) -> Self {
-        let mut list: Vec<Arc<RoutePolicy>> = configs.iter().map(|p| Arc::new(p.into())).collect();
+    /// From validated config; policies without a failure mode get `default_mode`.
+    pub fn new(configs: &[PolicyConfig], default_mode: FailureMode) -> Self {
+        let mut list: Vec<Arc<RoutePolicy>> = configs
+            .iter()
+            .map(|p| Arc::new(RoutePolicy::new(p, default_mode)))
+            .collect();
         // Longest prefix first; among equals, method-specific before "all".
         list.sort_by(|a, b| {
             b.route
@@ -87,20 +94,35 @@ impl Policies {
 pub enum Outcome {
     /// No policy applies, or the policy is unlimited.
     Unlimited,
-    /// A store decided.
+    /// A store decided (the shared one, or the local share).
     Decided {
         /// The policy applied.
         policy: Arc<RoutePolicy>,
-        /// The limit applied (keyed or anonymous).
+        /// The limit applied (keyed or anonymous; its local share when the
+        /// source is `Local`).
         limit: Limit,
         /// The decision.
         decision: Decision,
         /// How the client was identified.
         kind: KeyKind,
+        /// Who decided.
+        source: Source,
+    },
+    /// Nobody could decide and the policy fails open: admitted uncounted.
+    FailedOpen {
+        /// The policy applied.
+        policy: Arc<RoutePolicy>,
+    },
+    /// Nobody could decide and the policy fails closed.
+    Unavailable {
+        /// The policy applied.
+        policy: Arc<RoutePolicy>,
+        /// When to retry.
+        retry_after: std::time::Duration,
     },
     /// The identifying headers are malformed.
     BadIdentity(IdentityError),
-    /// The store could not decide.
+    /// The store refused the request itself (a configuration error).
     StoreFailed {
         /// The policy that applied.
         policy: Arc<RoutePolicy>,
@@ -115,7 +137,8 @@ pub struct Limiter {
     policies: Policies,
     identifier: Identifier,
     hasher: KeyHasher,
-    store: Arc<dyn Store>,
+    store: Failover,
+    failure_mode: FailureMode,
     clock: Arc<dyn Clock>,
 }
 
@@ -132,14 +155,20 @@ impl Limiter {
             secret
         });
         Self {
-            policies: Policies::new(&config.policies),
+            policies: Policies::new(&config.policies, config.failover.mode),
             identifier: Identifier::new(
                 api_keys,
                 config.trusted_proxies.clone(),
                 config.ipv6_prefix,
             ),
             hasher: KeyHasher::new(secret),
-            store,
+            store: Failover::new(
+                store,
+                config.failover.clone(),
+                config.memory.max_keys,
+                config.memory.shards,
+            ),
+            failure_mode: config.failover.mode,
             clock,
         }
     }
@@ -152,6 +181,16 @@ impl Limiter {
     /// Whether the store can decide right now.
     pub async fn ready(&self) -> Result<(), StoreError> {
         self.store.ready().await
+    }
+
+    /// The failure mode of policies that do not set their own.
+    pub fn failure_mode(&self) -> FailureMode {
+        self.failure_mode
+    }
+
+    /// The store with its failure policy.
+    pub fn failover(&self) -> &Failover {
+        &self.store
     }
 
     /// Decide a request to `route` (a route template) by `method`.
@@ -183,32 +222,60 @@ impl Limiter {
         let started = Instant::now();
         let result = self
             .store
-            .check(key, limit, policy.cost, self.clock.now())
+            .check(
+                key,
+                limit,
+                policy.cost,
+                self.clock.now(),
+                policy.failure_mode,
+            )
             .await;
         metrics::histogram!(m::CHECK_DURATION_SECONDS, "backend" => self.store.backend())
             .record(started.elapsed().as_secs_f64());
+        let count = |verdict: &'static str, source: &'static str| {
+            metrics::counter!(
+                m::DECISIONS_TOTAL,
+                "policy" => Arc::clone(&policy.name),
+                "decision" => verdict,
+                "key_kind" => kind.as_str(),
+                "source" => source,
+            )
+            .increment(1);
+        };
         match result {
-            Ok(decision) => {
-                let verdict = if decision.allowed {
-                    "allowed"
-                } else {
-                    "denied"
-                };
-                metrics::counter!(
-                    m::DECISIONS_TOTAL,
-                    "policy" => Arc::clone(&policy.name),
-                    "decision" => verdict,
-                    "key_kind" => kind.as_str(),
-                )
-                .increment(1);
-                Outcome::Decided {
+            Ok(checked) => match checked.decision {
+                Some(decision) => {
+                    count(
+                        if decision.allowed {
+                            "allowed"
+                        } else {
+                            "denied"
+                        },
+                        checked.source.as_str(),
+                    );
+                    Outcome::Decided {
+                        policy: Arc::clone(policy),
+                        limit: checked.limit,
+                        decision,
+                        kind,
+                        source: checked.source,
+                    }
+                }
+                None => {
+                    count("allowed", Source::FailOpen.as_str());
+                    Outcome::FailedOpen {
+                        policy: Arc::clone(policy),
+                    }
+                }
+            },
+            Err(FailoverError::Unavailable { retry_after }) => {
+                count("unavailable", "failclosed");
+                Outcome::Unavailable {
                     policy: Arc::clone(policy),
-                    limit,
-                    decision,
-                    kind,
+                    retry_after,
                 }
             }
-            Err(error) => {
+            Err(FailoverError::Store(error)) => {
                 metrics::counter!(
                     m::STORE_ERRORS_TOTAL,
                     "backend" => self.store.backend(),
@@ -257,7 +324,7 @@ mod tests {
             "#,
         )
         .unwrap();
-        let p = Policies::new(&c.policies);
+        let p = Policies::new(&c.policies, FailureMode::Local);
         let name = |route, method| p.find(route, &method).map(|p| p.name.to_string());
         assert_eq!(name("/api/items", Method::GET).as_deref(), Some("api"));
         assert_eq!(

@@ -256,57 +256,148 @@ async fn a_server_wired_without_peer_addresses_fails_loudly_not_open() {
     assert!(!body.contains("peer"), "internal detail leaked: {body}");
 }
 
-/// A store that cannot decide: the middleware must refuse with 503 (the
-/// client is not at fault), say when to retry, and leak no internal text.
+/// A store whose Redis refuses every connection, or (`config_error`) that
+/// refuses the request itself.
 #[derive(Debug)]
-struct BrokenStore;
+struct BrokenStore {
+    config_error: bool,
+}
 
 impl ratelimiter::store::Store for BrokenStore {
-    fn check(
+    fn check_within(
         &self,
         _key: ratelimiter::store::BucketKey,
         limit: ratelimiter::bucket::Limit,
         cost: u64,
         _now: u64,
+        _ceiling: Option<u64>,
     ) -> ratelimiter::store::BoxFuture<
         '_,
         Result<ratelimiter::bucket::Decision, ratelimiter::store::StoreError>,
     > {
-        let error = ratelimiter::bucket::CostExceedsBurst {
-            cost,
-            burst: limit.burst(),
+        let error = if self.config_error {
+            ratelimiter::bucket::CostExceedsBurst {
+                cost,
+                burst: limit.burst(),
+            }
+            .into()
+        } else {
+            ratelimiter::store::StoreError::Redis(redis::RedisError::from(std::io::Error::from(
+                std::io::ErrorKind::ConnectionRefused,
+            )))
         };
-        Box::pin(std::future::ready(Err(error.into())))
+        Box::pin(std::future::ready(Err(error)))
     }
 
     fn backend(&self) -> &'static str {
         "broken"
     }
+
+    fn ready(
+        &self,
+    ) -> ratelimiter::store::BoxFuture<'_, Result<(), ratelimiter::store::StoreError>> {
+        Box::pin(std::future::ready(Err(
+            ratelimiter::store::StoreError::Redis(redis::RedisError::from(std::io::Error::from(
+                std::io::ErrorKind::ConnectionRefused,
+            ))),
+        )))
+    }
 }
 
-#[tokio::test]
-async fn an_undecidable_request_is_refused_with_503_not_admitted() {
-    let config = Config::from_toml("").unwrap();
+fn broken_app(toml: &str, config_error: bool) -> axum::Router {
+    let config = Config::from_toml(toml).unwrap();
     let limiter = ratelimiter::policy::Limiter::new(
         &config,
-        Arc::new(BrokenStore),
+        Arc::new(BrokenStore { config_error }),
         Arc::new(ManualClock::new(T0)),
     );
-    let state = ratelimiter::api::AppState::new(
+    app(ratelimiter::api::AppState::new(
         Arc::new(limiter),
         ratelimiter::metrics::install(),
         "broken-1",
-    );
-    let app = app(state);
+    ))
+}
+
+#[tokio::test]
+async fn failing_closed_refuses_with_503_and_retry_after_not_429() {
+    let app = broken_app("[failure]\nmode = \"closed\"\n", false);
     let (status, h, body) = send(&app, request("GET", "/api/items", &[], None)).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(h["retry-after"], "1");
+    let retry: u64 = h["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!(retry >= 1);
+    assert_eq!(h["content-type"], "application/problem+json");
+    assert!(body.contains("limiter-unavailable"), "{body}");
+    assert!(
+        !body.contains("refused"),
+        "internal error text leaked: {body}"
+    );
+    // Readiness says so, and with `closed` that is a 503: this instance
+    // cannot serve limited routes.
+    let (status, _, body) = send(&app, request("GET", "/readyz", &[], None)).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(body.contains("\"degraded\""), "{body}");
+    // Operations endpoints do not depend on the store.
+    let (status, _, _) = send(&app, request("GET", "/healthz", &[], None)).await;
+    assert_eq!(status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn failing_open_admits_without_made_up_rate_limit_headers() {
+    let app = broken_app("[failure]\nmode = \"open\"\n", false);
+    for _ in 0..150 {
+        let (status, h, _) = send(&app, request("GET", "/api/items", &[], None)).await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(!h.contains_key("ratelimit-remaining"));
+        assert!(!h.contains_key("ratelimit"));
+    }
+}
+
+#[tokio::test]
+async fn failing_local_enforces_the_share_and_says_so_in_the_headers() {
+    let app = broken_app(
+        "[failure]\ninstances = 4\n[[policies]]\nname = \"api\"\nroute = \"/api/\"\nburst = 40\nrate = 4\n\n[[policies]]\nname = \"orders\"\nroute = \"/api/orders\"\nburst = 40\nrate = 4\nfailure_mode = \"closed\"\n",
+        false,
+    );
+    let mut admitted = 0;
+    for _ in 0..40 {
+        let (status, h, _) = send(&app, request("GET", "/api/items", &[], None)).await;
+        if status == StatusCode::OK {
+            admitted += 1;
+            assert_eq!(h["ratelimit-limit"], "10");
+        } else {
+            assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+        }
+    }
+    assert_eq!(admitted, 10, "a quarter of the burst on this instance");
+    // Readiness: degraded but serving (200), so balancers keep the instance.
+    let (status, _, body) = send(&app, request("GET", "/readyz", &[], None)).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        body.contains("\"degraded\"") && body.contains("\"local\""),
+        "{body}"
+    );
+    // A policy's own failure mode overrides the default.
+    let (status, _, _) = send(
+        &app,
+        request(
+            "POST",
+            "/api/orders",
+            &[],
+            Some(r#"{"item_id":1,"quantity":1}"#),
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+}
+
+#[tokio::test]
+async fn a_request_the_store_itself_refuses_is_a_500_not_admitted() {
+    let app = broken_app("", true);
+    let (status, h, body) = send(&app, request("GET", "/api/items", &[], None)).await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(h["content-type"], "application/problem+json");
     assert!(
         !body.contains("burst"),
         "internal error text leaked: {body}"
     );
-    // Operations endpoints do not depend on the store.
-    let (status, _, _) = send(&app, request("GET", "/healthz", &[], None)).await;
-    assert_eq!(status, StatusCode::OK);
 }

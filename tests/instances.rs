@@ -50,12 +50,18 @@ fn start_fleet(n: usize, flags: &[&str]) -> Fleet {
             .args(flags)
             // These tests are about admission, not latency: a 2-core CI
             // machine running three debug instances and 32 clients may
-            // starve a task past the 50 ms default, which would be a 503.
+            // starve a task past the 10 ms deadline, which would hand the
+            // request to a failure mode. Failing closed makes any such
+            // hand-off a visible 503 instead of a quiet local decision.
             .args([
                 "--redis-response-timeout",
                 "2s",
                 "--redis-connect-timeout",
                 "2s",
+                "--failure-deadline",
+                "2s",
+                "--failure-mode",
+                "closed",
             ])
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())

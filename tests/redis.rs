@@ -31,7 +31,11 @@ async fn lua(settings: &RedisSettings) -> LuaStore {
 }
 
 /// Random (limit, calls) cases: odd periods, backwards steps, long idles.
-fn cases() -> impl Strategy<Value = ((u64, u64, u64), Vec<(i64, u64)>)> {
+/// (burst, rate, period_us) and steps of (dt, cost, ceiling percent).
+type Case = ((u64, u64, u64), Vec<(i64, u64, Option<u64>)>);
+
+/// Some steps carry a ceiling, as a percentage of the capacity.
+fn cases() -> impl Strategy<Value = Case> {
     (
         1u64..=50,
         1u64..=30,
@@ -47,6 +51,7 @@ fn cases() -> impl Strategy<Value = ((u64, u64, u64), Vec<(i64, u64)>)> {
                         1 => -2_000_000i64..=0,
                     ],
                     0..=limit.0.min(4),
+                    prop::option::weighted(0.2, 0u64..=110),
                 ),
                 1..120,
             );
@@ -55,7 +60,8 @@ fn cases() -> impl Strategy<Value = ((u64, u64, u64), Vec<(i64, u64)>)> {
 }
 
 /// The Rust core and the Lua script, fed the same (now, cost, limit), give
-/// identical decisions: allowed, remaining, retry_after and reset.
+/// identical decisions: allowed, remaining, retry_after and reset, with and
+/// without a ceiling.
 fn differential(store: &LuaStore, rt: &tokio::runtime::Runtime, cases: u32) {
     let mut runner = TestRunner::new(ProptestConfig::with_cases(cases));
     let key = std::cell::Cell::new(0u128);
@@ -69,22 +75,40 @@ fn differential(store: &LuaStore, rt: &tokio::runtime::Runtime, cases: u32) {
             let limit = Limit::new(burst, rate, Duration::from_micros(period)).unwrap();
             let mut state: Option<BucketState> = None;
             let mut now = T0 as i64;
-            for (dt, cost) in steps {
+            for (dt, cost, percent) in steps {
                 now += dt;
-                let (expected, next) = bucket::check(&limit, state, cost, now as u64).unwrap();
+                let ceiling = percent.map(|p| limit.capacity_units() / 100 * p);
+                let (expected, next) = bucket::check_within(
+                    &limit,
+                    state,
+                    cost,
+                    now as u64,
+                    ceiling.unwrap_or(u64::MAX),
+                )
+                .unwrap();
                 // The stores keep no key for a full bucket.
-                state = (!expected.reset.is_zero()).then_some(next);
+                if expected.allowed {
+                    state = (!expected.reset.is_zero()).then_some(next);
+                }
                 let got = rt
-                    .block_on(store.check_key(bucket_key, &limit, cost, now as u64))
+                    .block_on(store.check_key_within(bucket_key, &limit, cost, now as u64, ceiling))
                     .unwrap();
-                prop_assert_eq!(got, expected, "now={} cost={} limit={:?}", now, cost, limit);
+                prop_assert_eq!(
+                    got,
+                    expected,
+                    "now={} cost={} ceiling={:?} limit={:?}",
+                    now,
+                    cost,
+                    ceiling,
+                    limit
+                );
             }
             Ok(())
         })
         .unwrap();
 }
 
-fn cases_strategy() -> impl Strategy<Value = ((u64, u64, u64), Vec<(i64, u64)>)> {
+fn cases_strategy() -> impl Strategy<Value = Case> {
     cases()
 }
 
@@ -197,11 +221,11 @@ async fn naive_read_modify_write_double_spends_the_last_token() {
     let seen_by_b = b.read(key).await.unwrap();
     assert_eq!(seen_by_a, seen_by_b);
     let first = a
-        .decide_and_write(key, seen_by_a, &limit, 1, T0)
+        .decide_and_write(key, seen_by_a, &limit, 1, T0, None)
         .await
         .unwrap();
     let second = b
-        .decide_and_write(key, seen_by_b, &limit, 1, T0)
+        .decide_and_write(key, seen_by_b, &limit, 1, T0, None)
         .await
         .unwrap();
     assert!(first.allowed && second.allowed, "both spent the last token");

@@ -173,6 +173,12 @@ pub async fn run(args: RaceArgs) -> anyhow::Result<Vec<RaceResult>> {
                     "2s".to_owned(),
                     "--redis-connect-timeout".to_owned(),
                     "2s".to_owned(),
+                    // ... and a failure that still happens is an error
+                    // (503), never a quiet local decision in the count.
+                    "--failure-deadline".to_owned(),
+                    "2s".to_owned(),
+                    "--failure-mode".to_owned(),
+                    "closed".to_owned(),
                     // A fresh bucket per run: a new key prefix.
                     "--redis-prefix".to_owned(),
                     format!("race:{}:{run_id}:", std::process::id()),

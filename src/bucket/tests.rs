@@ -229,6 +229,49 @@ proptest! {
         prop_assert_eq!(kept, fresh);
     }
 
+    /// A ceiling clamps the refilled bucket: the decision is exactly that of
+    /// a bucket really holding min(refilled, ceiling), a ceiling at or above
+    /// the capacity changes nothing, and it never admits what the uncapped
+    /// bucket would refuse.
+    #[test]
+    fn ceiling_clamps_after_refill_and_never_raises(
+        (calls, (burst, rate, period)) in limit_strategy()
+            .prop_flat_map(|l| (calls_strategy(l.0), Just(l))),
+        percent in 0u64..=110,
+        cost in 0u64..=5,
+        later in 0u64..5_000_000,
+    ) {
+        let limit = Limit::new(burst, rate, Duration::from_micros(period)).unwrap();
+        let cost = cost.min(burst);
+        let mut state = None;
+        for &(now, c) in &calls {
+            state = Some(check(&limit, state, c, now).unwrap().1);
+        }
+        let state = state.unwrap();
+        let now = calls.last().unwrap().0 + later;
+        let cap = limit.capacity_units();
+        let ceiling = (u128::from(cap) * u128::from(percent) / 100) as u64;
+        let at = now.max(state.last);
+        let refilled = (u128::from(state.tokens)
+            + u128::from(at - state.last) * u128::from(limit.rate_units_per_us()))
+            .min(u128::from(cap)) as u64;
+        let clamped = BucketState { tokens: refilled.min(ceiling), last: at };
+
+        let (capped, stored) = check_within(&limit, Some(state), cost, now, ceiling).unwrap();
+        let (expected, expected_state) = check(&limit, Some(clamped), cost, now).unwrap();
+        prop_assert_eq!(capped, expected);
+        if capped.allowed {
+            prop_assert_eq!(stored, expected_state);
+        } else {
+            prop_assert_eq!(stored, state, "a denial stores nothing, ceiling or not");
+        }
+        let (free, _) = check(&limit, Some(state), cost, now).unwrap();
+        prop_assert!(!capped.allowed || free.allowed);
+        if ceiling >= cap {
+            prop_assert_eq!(capped, free);
+        }
+    }
+
     /// A clock stepping backwards refills nothing and leaves the state as it was.
     #[test]
     fn backwards_clock_refills_nothing(

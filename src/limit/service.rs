@@ -89,25 +89,52 @@ where
                     HeaderMap::new(),
                 )),
                 Outcome::StoreFailed { policy, error } => {
-                    // Until failure policies exist (fail-open/closed/local),
-                    // an undecidable request is refused: fail closed, 503,
-                    // because the client is not at fault.
-                    tracing::error!(policy = %policy.name, %error, "rate limit store failed");
+                    // The store refused the request itself: a configuration
+                    // error (validation should make it impossible). Our
+                    // fault, not the client's, and nothing is admitted.
+                    tracing::error!(policy = %policy.name, %error, "rate limit store refused the request");
+                    let problem = Problem::new(
+                        "internal",
+                        "Internal Server Error",
+                        500,
+                        "the rate limiter cannot decide this request",
+                    );
+                    Ok(problem_response(&problem, HeaderMap::new()))
+                }
+                Outcome::Unavailable {
+                    policy,
+                    retry_after,
+                } => {
+                    // Fail closed: 503, not 429, because the client is not
+                    // at fault; Retry-After is the breaker's next probe.
                     let mut extra = HeaderMap::new();
-                    extra.insert(header::RETRY_AFTER, 1.into());
+                    extra.insert(
+                        header::RETRY_AFTER,
+                        retry_after
+                            .as_secs()
+                            .saturating_add(u64::from(retry_after.subsec_nanos() > 0))
+                            .into(),
+                    );
                     let problem = Problem::new(
                         "limiter-unavailable",
                         "Service Unavailable",
                         503,
-                        "the rate limiter cannot decide right now",
+                        format!(
+                            "the rate limiter for policy {} cannot decide right now",
+                            policy.name
+                        ),
                     );
                     Ok(problem_response(&problem, extra))
                 }
+                // Fail open: admitted, and no RateLimit headers, since no
+                // bucket was counted and any numbers would be made up.
+                Outcome::FailedOpen { .. } => inner.call(request).await,
                 Outcome::Decided {
                     policy,
                     limit,
                     decision,
                     kind,
+                    ..
                 } => {
                     let headers = rate_limit_headers(&policy.name, &limit, &decision);
                     if !decision.allowed {

@@ -155,6 +155,19 @@ impl MemoryStore {
         cost: u64,
         now: Micros,
     ) -> Result<Decision, CostExceedsBurst> {
+        self.check_sync_within(key, limit, cost, now, u64::MAX)
+    }
+
+    /// [`MemoryStore::check_sync`] with a ceiling in units (see
+    /// [`bucket::check_within`]).
+    pub fn check_sync_within(
+        &self,
+        key: BucketKey,
+        limit: &Limit,
+        cost: u64,
+        now: Micros,
+        ceiling: u64,
+    ) -> Result<Decision, CostExceedsBurst> {
         let key = SlotKey::from(key);
         // Poisoning cannot leave a map half-updated (every update is one
         // assignment, insert or remove), so a poisoned lock is safe to use.
@@ -164,7 +177,8 @@ impl MemoryStore {
             .unwrap_or_else(PoisonError::into_inner);
         // The common case, a known key, takes one probe and updates in place.
         if let Some(entry) = map.get_mut(&key) {
-            let (decision, state) = bucket::check(limit, Some(entry.state(limit)), cost, now)?;
+            let (decision, state) =
+                bucket::check_within(limit, Some(entry.state(limit)), cost, now, ceiling)?;
             if !decision.allowed {
                 // A denial changes nothing (see `bucket::check`).
                 return Ok(decision);
@@ -177,7 +191,7 @@ impl MemoryStore {
             map.remove(&key);
             return Ok(decision);
         }
-        let (decision, state) = bucket::check(limit, None, cost, now)?;
+        let (decision, state) = bucket::check_within(limit, None, cost, now, ceiling)?;
         if !decision.reset.is_zero() {
             if map.len() >= self.per_shard {
                 let pressure = make_room(&mut map, self.per_shard, now);
@@ -189,6 +203,59 @@ impl MemoryStore {
             map.insert(key, Entry::new(state, &decision, now));
         }
         Ok(decision)
+    }
+
+    /// Sets bucket `key` to the level that is full again `reset` after `now`
+    /// (`capacity - reset × rate`, so its `full_at` is exactly `now + reset`);
+    /// a zero `reset` removes it (full). How the local fallback mirrors the
+    /// shared bucket: on losing Redis it starts where Redis left off.
+    pub fn set_reset(&self, key: BucketKey, limit: &Limit, reset_us: u64, now: Micros) {
+        let key = SlotKey::from(key);
+        let mut map = self
+            .shard(key)
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if reset_us == 0 {
+            map.remove(&key);
+            return;
+        }
+        let cap = limit.capacity_units();
+        let entry = Entry {
+            tokens: cap - reset_us.saturating_mul(limit.rate_units_per_us()).min(cap),
+            full_at: now.saturating_add(reset_us),
+        };
+        if let Some(slot) = map.get_mut(&key) {
+            *slot = entry;
+            return;
+        }
+        if map.len() >= self.per_shard {
+            let pressure = make_room(&mut map, self.per_shard, now);
+            if pressure > 0 {
+                self.pressure_evictions
+                    .fetch_add(pressure, Ordering::Relaxed);
+            }
+        }
+        map.insert(key, entry);
+    }
+
+    /// The tokens (in units) bucket `key` holds at `now` if it is not full;
+    /// `None` if it is full (holds no entry). Changes nothing.
+    pub fn level(&self, key: BucketKey, limit: &Limit, now: Micros) -> Option<u64> {
+        let key = SlotKey::from(key);
+        let map = self
+            .shard(key)
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let entry = map.get(&key)?;
+        if entry.full_at <= now {
+            return None;
+        }
+        let state = entry.state(limit);
+        let cap = limit.capacity_units();
+        let refill = now
+            .saturating_sub(state.last)
+            .saturating_mul(limit.rate_units_per_us());
+        Some(state.tokens.min(cap).saturating_add(refill).min(cap))
     }
 
     /// Buckets currently held (all shards; a snapshot).
@@ -243,15 +310,16 @@ fn make_room(map: &mut Map, per_shard: usize, now: Micros) -> u64 {
 }
 
 impl Store for MemoryStore {
-    fn check(
+    fn check_within(
         &self,
         key: BucketKey,
         limit: Limit,
         cost: u64,
         now: Micros,
+        ceiling: Option<u64>,
     ) -> BoxFuture<'_, Result<Decision, StoreError>> {
         let result = self
-            .check_sync(key, &limit, cost, now)
+            .check_sync_within(key, &limit, cost, now, ceiling.unwrap_or(u64::MAX))
             .map_err(StoreError::from);
         Box::pin(std::future::ready(result))
     }
@@ -271,6 +339,40 @@ mod tests {
 
     fn limit() -> Limit {
         Limit::per_second(10, 5).unwrap()
+    }
+
+    proptest! {
+        /// A bucket set from another's `reset` holds at most what the other
+        /// holds, less than one microsecond's refill less, and is full again
+        /// at the same instant.
+        #[test]
+        fn set_reset_mirrors_a_bucket_by_time_to_full(
+            burst in 1u64..200,
+            rate in 1u64..50,
+            period in prop_oneof![Just(1_000_000u64), 1u64..5_000_000],
+            spends in prop::collection::vec((0u64..3_000_000, 0u64..=3), 1..40),
+        ) {
+            let limit = Limit::new(burst, rate, std::time::Duration::from_micros(period)).unwrap();
+            let original = MemoryStore::new(10, 1);
+            let mirror = MemoryStore::new(10, 1);
+            let key = BucketKey(3);
+            let mut now = T0;
+            for (dt, cost) in spends {
+                now += dt;
+                let d = original.check_sync(key, &limit, cost.min(burst), now).unwrap();
+                mirror.set_reset(key, &limit, d.reset.as_micros() as u64, now);
+                let (a, b) = (original.level(key, &limit, now), mirror.level(key, &limit, now));
+                prop_assert_eq!(a.is_some(), b.is_some());
+                if let (Some(a), Some(b)) = (a, b) {
+                    prop_assert!(b <= a && a - b < limit.rate_units_per_us());
+                }
+                let full = now + d.reset.as_micros() as u64;
+                prop_assert_eq!(mirror.level(key, &limit, full), None);
+                if full > now {
+                    prop_assert!(mirror.level(key, &limit, full - 1).is_some());
+                }
+            }
+        }
     }
 
     #[test]

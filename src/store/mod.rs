@@ -108,6 +108,20 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
         limit: Limit,
         cost: u64,
         now: Micros,
+    ) -> BoxFuture<'_, Result<Decision, StoreError>> {
+        self.check_within(key, limit, cost, now, None)
+    }
+
+    /// [`Store::check`] with the bucket holding at most `ceiling` units
+    /// after refill (see [`crate::bucket::check_within`]): how a bucket is
+    /// handed back from a local fallback without a fresh burst.
+    fn check_within(
+        &self,
+        key: BucketKey,
+        limit: Limit,
+        cost: u64,
+        now: Micros,
+        ceiling: Option<u64>,
     ) -> BoxFuture<'_, Result<Decision, StoreError>>;
 
     /// The backend's name, as used in metric labels and logs.

@@ -30,9 +30,12 @@ use super::{BoxFuture, BucketKey, Store, StoreError};
 use crate::bucket::{self, BucketState, Decision, Limit};
 use crate::clock::Micros;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisError, RedisFuture, Script, Value};
+use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::OnceCell;
 
 /// The token bucket script, as shipped in `lua/`.
 pub const TOKEN_BUCKET_LUA: &str = include_str!("../../lua/token_bucket.lua");
@@ -61,8 +64,36 @@ pub struct RedisSettings {
 pub enum RedisConnection {
     /// One server, reconnecting on failure.
     Standalone(ConnectionManager),
-    /// A Redis Cluster, routed by slot.
-    Cluster(ClusterConnection),
+    /// A Redis Cluster, routed by slot, connected on first use.
+    Cluster(LazyCluster),
+}
+
+/// A cluster connection made on first use and kept: the service starts
+/// while the cluster is away and connects when it appears (the failure
+/// policy meanwhile decides; its breaker keeps the attempts few). Concurrent
+/// first uses wait for one attempt instead of each opening connections.
+#[derive(Clone)]
+pub struct LazyCluster {
+    // One allocation shared by every clone (a connection is cloned per check).
+    shared: Arc<(ClusterClient, OnceCell<ClusterConnection>)>,
+}
+
+impl std::fmt::Debug for LazyCluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LazyCluster")
+            .field("connected", &self.shared.1.initialized())
+            .finish()
+    }
+}
+
+impl LazyCluster {
+    async fn get(&self) -> Result<ClusterConnection, RedisError> {
+        let (client, connection) = &*self.shared;
+        connection
+            .get_or_try_init(|| client.get_async_connection())
+            .await
+            .cloned()
+    }
 }
 
 impl std::fmt::Debug for RedisConnection {
@@ -78,7 +109,10 @@ impl ConnectionLike for RedisConnection {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
             RedisConnection::Standalone(c) => c.req_packed_command(cmd),
-            RedisConnection::Cluster(c) => c.req_packed_command(cmd),
+            RedisConnection::Cluster(c) => Box::pin(async move {
+                let mut connection = c.get().await?;
+                connection.req_packed_command(cmd).await
+            }),
         }
     }
 
@@ -90,22 +124,28 @@ impl ConnectionLike for RedisConnection {
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
             RedisConnection::Standalone(c) => c.req_packed_commands(pipeline, offset, count),
-            RedisConnection::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+            RedisConnection::Cluster(c) => Box::pin(async move {
+                let mut connection = c.get().await?;
+                connection
+                    .req_packed_commands(pipeline, offset, count)
+                    .await
+            }),
         }
     }
 
     fn get_db(&self) -> i64 {
         match self {
             RedisConnection::Standalone(c) => c.get_db(),
-            RedisConnection::Cluster(c) => c.get_db(),
+            // Cluster has database 0 only.
+            RedisConnection::Cluster(_) => 0,
         }
     }
 }
 
 impl RedisConnection {
-    /// Connects as `settings` say. Standalone connects lazily (the first
-    /// command connects), so the service can start while Redis is away;
-    /// a cluster needs its slot map and connects now.
+    /// Connects as `settings` say, lazily: the first command connects (and
+    /// a failed attempt is retried by a later command), so the service
+    /// starts while Redis is away. Only invalid settings fail here.
     pub async fn connect(settings: &RedisSettings) -> Result<Self, RedisError> {
         if settings.cluster {
             let client = redis::cluster::ClusterClientBuilder::new(settings.urls.clone())
@@ -115,7 +155,9 @@ impl RedisConnection {
                 .min_retry_wait(1)
                 .max_retry_wait(50)
                 .build()?;
-            Ok(Self::Cluster(client.get_async_connection().await?))
+            Ok(Self::Cluster(LazyCluster {
+                shared: Arc::new((client, OnceCell::new())),
+            }))
         } else {
             let url = settings
                 .urls
@@ -228,19 +270,33 @@ impl LuaStore {
         cost: u64,
         now: Micros,
     ) -> Result<Decision, StoreError> {
+        self.check_key_within(key, limit, cost, now, None).await
+    }
+
+    /// [`LuaStore::check_key`] with a ceiling in units (ARGV[7]).
+    pub async fn check_key_within(
+        &self,
+        key: BucketKey,
+        limit: &Limit,
+        cost: u64,
+        now: Micros,
+        ceiling: Option<u64>,
+    ) -> Result<Decision, StoreError> {
         limit.check_cost(cost)?;
         let mut connection = self.connection.clone();
-        let reply: String = self
-            .script
-            .key(redis_key(&self.prefix, key))
+        let mut invocation = self.script.key(redis_key(&self.prefix, key));
+        invocation
             .arg(now)
             .arg(cost)
             .arg(limit.units_per_token())
             .arg(limit.rate_units_per_us())
             .arg(limit.capacity_units())
-            .arg(self.ttl_margin_us)
-            .invoke_async(&mut connection)
-            .await?;
+            .arg(self.ttl_margin_us);
+        if let Some(ceiling) = ceiling {
+            // At most the capacity, so the script's integers stay exact.
+            invocation.arg(ceiling.min(limit.capacity_units()));
+        }
+        let reply: String = invocation.invoke_async(&mut connection).await?;
         let (allowed, remaining, retry_after, reset) = parse_reply(&reply).ok_or_else(|| {
             RedisError::from((
                 redis::ErrorKind::UnexpectedReturnType,
@@ -259,14 +315,15 @@ impl LuaStore {
 }
 
 impl Store for LuaStore {
-    fn check(
+    fn check_within(
         &self,
         key: BucketKey,
         limit: Limit,
         cost: u64,
         now: Micros,
+        ceiling: Option<u64>,
     ) -> BoxFuture<'_, Result<Decision, StoreError>> {
-        Box::pin(async move { self.check_key(key, &limit, cost, now).await })
+        Box::pin(async move { self.check_key_within(key, &limit, cost, now, ceiling).await })
     }
 
     fn backend(&self) -> &'static str {
@@ -315,8 +372,10 @@ impl NaiveStore {
         limit: &Limit,
         cost: u64,
         now: Micros,
+        ceiling: Option<u64>,
     ) -> Result<Decision, StoreError> {
-        let (decision, state) = bucket::check(limit, read, cost, now)?;
+        let (decision, state) =
+            bucket::check_within(limit, read, cost, now, ceiling.unwrap_or(u64::MAX))?;
         if decision.allowed {
             let mut connection = self.connection.clone();
             let redis_key = redis_key(&self.prefix, key);
@@ -341,16 +400,18 @@ impl NaiveStore {
 }
 
 impl Store for NaiveStore {
-    fn check(
+    fn check_within(
         &self,
         key: BucketKey,
         limit: Limit,
         cost: u64,
         now: Micros,
+        ceiling: Option<u64>,
     ) -> BoxFuture<'_, Result<Decision, StoreError>> {
         Box::pin(async move {
             let read = self.read(key).await?;
-            self.decide_and_write(key, read, &limit, cost, now).await
+            self.decide_and_write(key, read, &limit, cost, now, ceiling)
+                .await
         })
     }
 

@@ -1,0 +1,273 @@
+//! The failure policy's logic, against a store that can be switched down,
+//! hung or restarted empty. (Real Redis faults, with real processes, are in
+//! `tests/failover.rs` and `cargo run -p loadtest -- outage`.)
+
+use super::*;
+use crate::store::BoxFuture;
+use std::sync::atomic::AtomicU32;
+
+const T0: Micros = 1_800_000_000_000_000;
+const SEC: Micros = 1_000_000;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Health {
+    Up,
+    Refusing,
+    Hung,
+}
+
+/// A real in-process store behind a switch: up, refusing connections (an
+/// error at once), or hung (never answers). `restart` forgets every bucket,
+/// as a redis-server without persistence does.
+#[derive(Debug)]
+struct Switch {
+    inner: Mutex<Arc<MemoryStore>>,
+    health: Mutex<Health>,
+    calls: AtomicU32,
+}
+
+impl Switch {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            inner: Mutex::new(Arc::new(MemoryStore::new(1000, 1))),
+            health: Mutex::new(Health::Up),
+            calls: AtomicU32::new(0),
+        })
+    }
+    fn set(&self, health: Health) {
+        *self.health.lock().unwrap() = health;
+    }
+    fn restart(&self) {
+        *self.inner.lock().unwrap() = Arc::new(MemoryStore::new(1000, 1));
+    }
+    fn calls(&self) -> u32 {
+        self.calls.load(Ordering::Relaxed)
+    }
+}
+
+impl Store for Switch {
+    fn check_within(
+        &self,
+        key: BucketKey,
+        limit: Limit,
+        cost: u64,
+        now: Micros,
+        ceiling: Option<u64>,
+    ) -> BoxFuture<'_, Result<Decision, StoreError>> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        let health = *self.health.lock().unwrap();
+        let inner = Arc::clone(&self.inner.lock().unwrap());
+        Box::pin(async move {
+            match health {
+                Health::Up => inner.check_within(key, limit, cost, now, ceiling).await,
+                Health::Refusing => Err(StoreError::Redis(::redis::RedisError::from(
+                    std::io::Error::from(std::io::ErrorKind::ConnectionRefused),
+                ))),
+                Health::Hung => std::future::pending().await,
+            }
+        })
+    }
+
+    fn backend(&self) -> &'static str {
+        "switch"
+    }
+}
+
+fn settings(instances: u64) -> FailoverSettings {
+    FailoverSettings {
+        instances,
+        deadline: Duration::from_millis(20),
+        breaker_failures: 3,
+        breaker_cooldown: Duration::from_millis(500),
+        ..FailoverSettings::default()
+    }
+}
+
+fn failover(store: &Arc<Switch>, instances: u64) -> Failover {
+    Failover::new(
+        Arc::clone(store) as Arc<dyn Store>,
+        settings(instances),
+        1000,
+        1,
+    )
+}
+
+/// Spends as much as admitted: `n` requests at `now`; returns how many passed.
+async fn burst(f: &Failover, limit: Limit, n: u32, now: Micros, mode: FailureMode) -> u32 {
+    let mut admitted = 0;
+    for _ in 0..n {
+        let checked = f.check(BucketKey(7), limit, 1, now, mode).await;
+        if matches!(checked, Ok(Checked { decision: Some(d), .. }) if d.allowed) {
+            admitted += 1;
+        }
+    }
+    admitted
+}
+
+#[test]
+fn n_local_shares_admit_at_most_the_limit_between_them() {
+    let limit = Limit::per_second(100, 10).unwrap();
+    for n in 1..=7u64 {
+        let share = share(&limit, n, 1);
+        assert_eq!(share.burst(), (100 / n).max(1));
+        // N instances, each saturating its own share for 10 s.
+        let stores: Vec<MemoryStore> = (0..n).map(|_| MemoryStore::new(10, 1)).collect();
+        let mut admitted = 0u64;
+        for step in 0..=1000u64 {
+            let now = T0 + step * 10_000;
+            for s in &stores {
+                while s.check_sync(BucketKey(1), &share, 1, now).unwrap().allowed {
+                    admitted += 1;
+                }
+            }
+        }
+        let bound = 100 + 10 * 10;
+        assert!(admitted <= bound, "n={n}: {admitted} > {bound}");
+        assert!(
+            admitted * 100 >= bound * 90,
+            "n={n}: only {admitted} of {bound}"
+        );
+    }
+    // A cost above the share's burst still fits a local bucket.
+    assert_eq!(share(&Limit::per_second(4, 1).unwrap(), 3, 2).burst(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hung_store_costs_a_request_the_deadline_and_no_more() {
+    let store = Switch::new();
+    let f = failover(&store, 1);
+    let limit = Limit::per_second(10, 1).unwrap();
+    store.set(Health::Hung);
+    let started = tokio::time::Instant::now();
+    let checked = f
+        .check(BucketKey(1), limit, 1, T0, FailureMode::Local)
+        .await
+        .unwrap();
+    assert_eq!(started.elapsed(), Duration::from_millis(20));
+    assert_eq!(checked.source, Source::Local);
+    assert!(checked.decision.unwrap().allowed);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_breaker_stops_calling_a_failing_store_then_probes_once() {
+    let store = Switch::new();
+    let f = failover(&store, 1);
+    let limit = Limit::per_second(1000, 1).unwrap();
+    store.set(Health::Hung);
+    for _ in 0..3 {
+        f.check(BucketKey(1), limit, 1, T0, FailureMode::Local)
+            .await
+            .unwrap();
+    }
+    assert_eq!(store.calls(), 3);
+    assert_eq!(f.breaker_state(), BreakerState::Open);
+    // Open: requests are decided at once, without a call.
+    let started = tokio::time::Instant::now();
+    for i in 0..50 {
+        let c = f
+            .check(BucketKey(1), limit, 1, T0 + i, FailureMode::Local)
+            .await
+            .unwrap();
+        assert_eq!(c.source, Source::Local);
+    }
+    assert_eq!(started.elapsed(), Duration::ZERO);
+    assert_eq!(store.calls(), 3);
+    // After the cooldown one probe goes out; it finds the store back.
+    store.set(Health::Up);
+    let c = f
+        .check(BucketKey(1), limit, 1, T0 + SEC / 2, FailureMode::Local)
+        .await
+        .unwrap();
+    assert_eq!(c.source, Source::Redis);
+    assert_eq!(store.calls(), 4);
+    assert_eq!(f.breaker_state(), BreakerState::Closed);
+}
+
+#[tokio::test(start_paused = true)]
+async fn each_mode_answers_for_itself_while_the_store_refuses() {
+    let store = Switch::new();
+    let f = failover(&store, 4);
+    let limit = Limit::per_second(40, 4).unwrap();
+    store.set(Health::Refusing);
+
+    let open = f
+        .check(BucketKey(1), limit, 1, T0, FailureMode::Open)
+        .await
+        .unwrap();
+    assert_eq!(open.source, Source::FailOpen);
+    assert_eq!(open.decision, None, "failing open counts nothing");
+
+    let Err(FailoverError::Unavailable { retry_after }) = f
+        .check(BucketKey(1), limit, 1, T0, FailureMode::Closed)
+        .await
+    else {
+        panic!("closed must refuse");
+    };
+    assert!(retry_after >= Duration::from_secs(1));
+
+    // Local: a quarter of the burst (Redis never answered for this client,
+    // so its share starts full), then the share's rate (1/s).
+    assert_eq!(burst(&f, limit, 20, T0, FailureMode::Local).await, 10);
+    assert_eq!(burst(&f, limit, 20, T0 + SEC, FailureMode::Local).await, 1);
+    let c = f
+        .check(BucketKey(1), limit, 1, T0 + SEC, FailureMode::Local)
+        .await
+        .unwrap();
+    assert_eq!(c.source, Source::Local);
+    assert_eq!(c.limit.burst(), 10, "headers show the share in force");
+}
+
+/// Take-over and hand-back: a client that spent its whole burst in Redis
+/// gets no fresh local share when Redis goes away, and no fresh burst when
+/// Redis returns empty (restarted) or refilled (it was only unreachable).
+#[tokio::test(start_paused = true)]
+async fn redis_returning_grants_no_fresh_burst() {
+    for restarted in [true, false] {
+        let store = Switch::new();
+        let f = failover(&store, 3);
+        let limit = Limit::per_second(30, 3).unwrap();
+        let local = FailureMode::Local;
+        assert_eq!(
+            burst(&f, limit, 40, T0, local).await,
+            30,
+            "Redis: the burst"
+        );
+        store.set(Health::Refusing);
+        // The local share (10 tokens, 1/s) starts where Redis left off:
+        // empty, so a second later it holds one token.
+        assert_eq!(burst(&f, limit, 40, T0 + SEC, local).await, 1);
+        store.set(Health::Up);
+        if restarted {
+            store.restart();
+        }
+        // The breaker opened; the first request after the cooldown probes.
+        let back = T0 + 2 * SEC;
+        let admitted = burst(&f, limit, 40, back, local).await;
+        assert_eq!(f.breaker_state(), BreakerState::Closed);
+        // The local bucket refilled 1 of 10 tokens in the second since:
+        // the shared bucket may hold a tenth of its capacity, 3 tokens.
+        assert_eq!(admitted, 3, "restarted={restarted}");
+        // Once the local bucket would be full again (10 s), Redis alone
+        // decides: and it refilled at the full rate meanwhile.
+        let later = back + 10 * SEC;
+        assert_eq!(burst(&f, limit, 40, later, local).await, 30);
+    }
+}
+
+#[tokio::test]
+async fn an_in_process_primary_is_used_as_is() {
+    let memory: Arc<dyn Store> = Arc::new(MemoryStore::new(10, 1));
+    let f = Failover::new(memory, settings(3), 10, 1);
+    let limit = Limit::per_second(5, 1).unwrap();
+    let c = f
+        .check(BucketKey(1), limit, 1, T0, FailureMode::Closed)
+        .await
+        .unwrap();
+    assert_eq!(c.source, Source::Memory);
+    assert_eq!(c.limit, limit, "no share: memory is not a fallback");
+    assert!(matches!(
+        f.check(BucketKey(1), limit, 6, T0, FailureMode::Local)
+            .await,
+        Err(FailoverError::Store(StoreError::CostExceedsBurst(_)))
+    ));
+}
