@@ -109,3 +109,96 @@ fn invalid_config_fails_at_startup_naming_the_field() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("trusted_proxies[0]"));
 }
+
+/// GET once: status, `RateLimit-Limit` (if any) and body.
+fn probe(port: u16, path: &str) -> (u16, Option<String>, String) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let r = reqwest::Client::new()
+            .get(format!("http://127.0.0.1:{port}{path}"))
+            .send()
+            .await
+            .unwrap();
+        let limit = r
+            .headers()
+            .get("ratelimit-limit")
+            .map(|v| v.to_str().unwrap().to_owned());
+        (r.status().as_u16(), limit, r.text().await.unwrap())
+    })
+}
+
+/// Starts the binary against a Redis that is not there yet (`redis_flags`),
+/// checks it serves by its local share, then starts Redis (`start`) and
+/// waits for it to decide through Redis. Never a crash, never a 5xx.
+fn starts_degraded_then_connects<R>(redis_flags: &[String], start: impl FnOnce() -> R) {
+    let port = free_port();
+    let dir = TempDir::new("no-redis");
+    let config = dir.0.join("c.toml");
+    std::fs::write(
+        &config,
+        "[[policies]]\nname = \"api\"\nroute = \"/api/\"\nburst = 10\nrate = 1\nper = \"1h\"\n",
+    )
+    .unwrap();
+    let child = Command::new(BIN)
+        .args(["--listen", &format!("127.0.0.1:{port}"), "--backend", "lua"])
+        .arg("--config")
+        .arg(&config)
+        .args(redis_flags)
+        .args(["--failure-instances", "2"])
+        .env("RL_KEY_SECRET", "process-test-shared-secret")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut proc = ChildGuard(child);
+    wait_for_port(port, "ratelimiter without redis");
+
+    let (status, _, body) = probe(port, "/readyz");
+    assert_eq!(status, 200, "degraded but serving: {body}");
+    assert!(body.contains("\"degraded\""), "{body}");
+    // Requests follow the failure mode: the local share, half the burst.
+    let (status, limit, _) = probe(port, "/api/items");
+    assert_eq!((status, limit.as_deref()), (200, Some("5")));
+
+    let _redis = start();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (status, limit, _) = probe(port, "/api/items");
+        assert!(status == 200 || status == 429, "status {status}");
+        let (_, _, ready) = probe(port, "/readyz");
+        if limit.as_deref() == Some("10") && ready.contains("\"ready\"") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "never connected to Redis: {ready}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(proc.0.try_wait().unwrap().is_none(), "the process is alive");
+}
+
+#[test]
+fn starts_without_redis_and_connects_when_it_appears() {
+    let redis_port = free_port();
+    starts_degraded_then_connects(
+        &[
+            "--redis-url".into(),
+            format!("redis://127.0.0.1:{redis_port}"),
+        ],
+        || support::RedisServer::start_on(redis_port, &[]),
+    );
+}
+
+#[test]
+fn starts_without_a_redis_cluster_and_connects_when_it_appears() {
+    let ports = [free_port(), free_port(), free_port()];
+    let flags: Vec<String> = ports
+        .iter()
+        .flat_map(|p| ["--redis-cluster".into(), format!("redis://127.0.0.1:{p}")])
+        .collect();
+    starts_degraded_then_connects(&flags, || support::RedisCluster::start_on(ports));
+}

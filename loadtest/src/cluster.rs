@@ -2,6 +2,8 @@
 //! on a free loopback port, all killed when dropped.
 
 use anyhow::{Context, bail};
+use nix::sys::signal::Signal;
+use nix::unistd::Pid;
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -54,13 +56,18 @@ impl Drop for ScratchDir {
     }
 }
 
-/// A redis-server started for this run (no persistence).
+/// A redis-server started for this run (no persistence), which fault
+/// scenarios can kill, restart on the same port (empty, as a server without
+/// persistence comes back), pause and resume.
 #[derive(Debug)]
 pub struct Redis {
     /// `redis://127.0.0.1:<port>`.
     pub url: String,
-    _child: Killed,
-    _dir: ScratchDir,
+    /// Its port.
+    pub port: u16,
+    child: Option<Killed>,
+    cpu: Option<usize>,
+    dir: ScratchDir,
 }
 
 impl Redis {
@@ -73,7 +80,19 @@ impl Redis {
     pub fn start_on(cpu: Option<usize>) -> anyhow::Result<Self> {
         let dir = ScratchDir::new("redis")?;
         let port = free_port()?;
-        let mut command = match cpu {
+        let mut redis = Self {
+            url: format!("redis://127.0.0.1:{port}"),
+            port,
+            child: None,
+            cpu,
+            dir,
+        };
+        redis.spawn()?;
+        Ok(redis)
+    }
+
+    fn spawn(&mut self) -> anyhow::Result<()> {
+        let mut command = match self.cpu {
             Some(cpu) => {
                 let mut c = Command::new("taskset");
                 c.args(["-c", &cpu.to_string(), "redis-server"]);
@@ -82,20 +101,53 @@ impl Redis {
             None => Command::new("redis-server"),
         };
         let child = command
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .arg("--dir")
-            .arg(&dir.0)
+            .arg(&self.dir.0)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .context("cannot start redis-server (Debian: apt-get install redis-server), or pass --redis-url")?;
-        let child = Killed(child);
-        wait_for_port(port, "redis-server")?;
-        Ok(Self {
-            url: format!("redis://127.0.0.1:{port}"),
-            _child: child,
-            _dir: dir,
-        })
+        self.child = Some(Killed(child));
+        wait_for_port(self.port, "redis-server")
+    }
+
+    fn signal(&self, signal: Signal) -> anyhow::Result<()> {
+        let child = self.child.as_ref().context("redis-server is not running")?;
+        let pid = Pid::from_raw(i32::try_from(child.0.id())?);
+        nix::sys::signal::kill(pid, signal)?;
+        Ok(())
+    }
+
+    /// SIGKILL: the server vanishes with its data; connections are reset.
+    pub fn kill(&mut self) -> anyhow::Result<()> {
+        // Dropping `Killed` sends SIGKILL and reaps the process.
+        self.child.take().context("redis-server is not running")?;
+        Ok(())
+    }
+
+    /// Starts a fresh, empty server on the same port.
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        anyhow::ensure!(self.child.is_none(), "redis-server is still running");
+        self.spawn()
+    }
+
+    /// SIGSTOP: the server hangs; connections stay open, nothing answers.
+    pub fn pause(&self) -> anyhow::Result<()> {
+        self.signal(Signal::SIGSTOP)
+    }
+
+    /// SIGCONT: the hung server carries on with what queued up.
+    pub fn resume(&self) -> anyhow::Result<()> {
+        self.signal(Signal::SIGCONT)
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        // A stopped process still dies of SIGKILL, but resume anyway so
+        // nothing lingers in the stopped state if the kill were refused.
+        let _ = self.resume();
     }
 }
 
@@ -122,7 +174,10 @@ impl Instances {
                 .args(["--listen", &format!("127.0.0.1:{port}")])
                 .args(["--instance-id", &format!("load-{i}")])
                 .args(flags)
-                .env("RUST_LOG", "warn")
+                .env(
+                    "RUST_LOG",
+                    std::env::var("INSTANCE_LOG").unwrap_or_else(|_| "warn".into()),
+                )
                 .stdout(Stdio::null())
                 .stderr(Stdio::inherit())
                 .spawn()

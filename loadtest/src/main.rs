@@ -12,9 +12,15 @@
 //! starts its own redis-server and API instances (this executable re-run as
 //! `loadtest instance`, which runs exactly what the `ratelimiter` binary
 //! runs) and measures over-admission per backend.
+//!
+//! `cargo run -p loadtest -- outage` kills, hangs, slows and black-holes
+//! Redis under load (see `outage.rs`) and measures what each failure mode
+//! admits, how long requests wait and how fast Redis takes over again.
 
 mod cluster;
 mod luabench;
+mod outage;
+mod proxy;
 mod race;
 
 use clap::{Parser, Subcommand};
@@ -43,6 +49,8 @@ enum Command {
     Race(race::RaceArgs),
     /// Redis CPU per Lua check and checks/s, ours beside redis-benchmark.
     LuaBench(luabench::LuaBenchArgs),
+    /// Redis killed, hung, slowed, black-holed under load: each failure mode measured.
+    Outage(outage::OutageArgs),
     /// Run one API instance (what the `ratelimiter` binary runs); used by
     /// the scenarios that start their own instances.
     #[command(hide = true)]
@@ -112,6 +120,14 @@ async fn main() -> anyhow::Result<()> {
             );
         }
         Command::LuaBench(args) => luabench::run(args).await?,
+        Command::Outage(args) => {
+            let results = outage::run(args).await?;
+            let errors: usize = results.iter().map(|r| r.errors).sum();
+            anyhow::ensure!(
+                errors == 0,
+                "{errors} requests failed (transport error or unexpected 5xx)"
+            );
+        }
         Command::Instance(cli) => {
             ratelimiter::server::init_logging();
             let config = ratelimiter::config::Config::load(cli)?;

@@ -385,12 +385,10 @@ fn record(t: Transition) {
         1.0
     });
     match t.to {
-        BreakerState::Open => {
-            tracing::warn!(
-                from = t.from.as_str(),
-                "redis circuit breaker open: deciding by the failure mode"
-            );
+        BreakerState::Open if t.from == BreakerState::Closed => {
+            tracing::warn!("redis circuit breaker open: deciding by the failure mode");
         }
+        BreakerState::Open => tracing::debug!("redis probe failed: breaker open again"),
         BreakerState::HalfOpen => tracing::info!("redis circuit breaker half-open: probing"),
         BreakerState::Closed => tracing::info!("redis circuit breaker closed: redis decides again"),
     }

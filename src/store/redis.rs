@@ -88,11 +88,29 @@ impl std::fmt::Debug for LazyCluster {
 
 impl LazyCluster {
     async fn get(&self) -> Result<ClusterConnection, RedisError> {
-        let (client, connection) = &*self.shared;
-        connection
-            .get_or_try_init(|| client.get_async_connection())
-            .await
-            .cloned()
+        if let Some(connection) = self.shared.1.get() {
+            return Ok(connection.clone());
+        }
+        // Connecting (slot map, one connection per master) can outlast the
+        // check's deadline, which drops this future: run it in its own task
+        // so that a dropped caller does not abort it and the next caller
+        // finds it done, instead of every attempt being cut short forever.
+        let shared = Arc::clone(&self.shared);
+        tokio::spawn(async move {
+            let (client, connection) = &*shared;
+            connection
+                .get_or_try_init(|| client.get_async_connection())
+                .await
+                .cloned()
+        })
+        .await
+        .map_err(|e| {
+            RedisError::from((
+                redis::ErrorKind::Client,
+                "cluster connect task failed",
+                e.to_string(),
+            ))
+        })?
     }
 }
 

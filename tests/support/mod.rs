@@ -156,8 +156,12 @@ impl RedisServer {
     }
 
     pub fn start_with(extra: &[&str]) -> Self {
-        let dir = TempDir::new("redis");
-        let port = free_port();
+        Self::start_on(free_port(), extra)
+    }
+
+    /// On a given port (a test that has pointed a service at it already).
+    pub fn start_on(port: u16, extra: &[&str]) -> Self {
+        let dir = TempDir::new(&format!("redis-{port}"));
         let child = std::process::Command::new("redis-server")
             .args([
                 "--port",
@@ -216,14 +220,18 @@ pub struct RedisCluster {
 
 impl RedisCluster {
     pub fn start() -> Self {
-        let nodes: Vec<RedisServer> = (0..3)
-            .map(|_| {
-                RedisServer::start_with(&[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-node-timeout",
-                    "2000",
-                ])
+        Self::start_on([free_port(), free_port(), free_port()])
+    }
+
+    /// On given ports.
+    pub fn start_on(ports: [u16; 3]) -> Self {
+        let nodes: Vec<RedisServer> = ports
+            .iter()
+            .map(|&port| {
+                RedisServer::start_on(
+                    port,
+                    &["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"],
+                )
             })
             .collect();
         let addresses: Vec<String> = nodes
