@@ -280,6 +280,7 @@ impl Failover {
             };
             metrics::counter!(m::STORE_ERRORS_TOTAL, "backend" => self.primary.backend(), "kind" => kind)
                 .increment(1);
+            tracing::debug!(kind, ?permit, "redis check failed");
             guard.report(|b| b.failure(permit, now));
         }
         guard.fall_back(key, limit, cost, now, mode)
