@@ -331,6 +331,9 @@ async fn failing_closed_refuses_with_503_and_retry_after_not_429() {
         !body.contains("refused"),
         "internal error text leaked: {body}"
     );
+    let (_, _, metrics) = send(&app, request("GET", "/metrics", &[], None)).await;
+    let line = r#"ratelimit_decisions_total{policy="api",decision="unavailable",key_kind="ip",source="failclosed"}"#;
+    assert!(metrics.contains(line), "{line} missing");
     // Readiness says so, and with `closed` that is a 503: this instance
     // cannot serve limited routes.
     let (status, _, body) = send(&app, request("GET", "/readyz", &[], None)).await;
@@ -350,6 +353,9 @@ async fn failing_open_admits_without_made_up_rate_limit_headers() {
         assert!(!h.contains_key("ratelimit-remaining"));
         assert!(!h.contains_key("ratelimit"));
     }
+    let (_, _, metrics) = send(&app, request("GET", "/metrics", &[], None)).await;
+    let line = r#"ratelimit_decisions_total{policy="api",decision="allowed",key_kind="ip",source="failopen"}"#;
+    assert!(metrics.contains(line), "{line} missing");
 }
 
 #[tokio::test]
@@ -369,6 +375,16 @@ async fn failing_local_enforces_the_share_and_says_so_in_the_headers() {
         }
     }
     assert_eq!(admitted, 10, "a quarter of the burst on this instance");
+    // Who decided, why Redis could not, and the breaker, on /metrics.
+    let (_, _, metrics) = send(&app, request("GET", "/metrics", &[], None)).await;
+    for line in [
+        r#"ratelimit_decisions_total{policy="api",decision="allowed",key_kind="ip",source="local"}"#,
+        r#"ratelimit_decisions_total{policy="api",decision="denied",key_kind="ip",source="local"}"#,
+        r#"ratelimit_store_errors_total{backend="broken",kind="connection_refused"}"#,
+        r#"ratelimit_breaker_transitions_total{from="closed",to="open"}"#,
+    ] {
+        assert!(metrics.contains(line), "{line} missing from:\n{metrics}");
+    }
     // Readiness: degraded but serving (200), so balancers keep the instance.
     let (status, _, body) = send(&app, request("GET", "/readyz", &[], None)).await;
     assert_eq!(status, StatusCode::OK);

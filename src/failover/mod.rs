@@ -190,7 +190,7 @@ impl Failover {
         local_keys: usize,
         local_shards: usize,
     ) -> Self {
-        let in_process = primary.backend() == "memory";
+        let in_process = primary.in_process();
         let guard = (!in_process).then(|| {
             metrics::gauge!(m::FALLBACK_ACTIVE).set(0.0);
             metrics::gauge!(m::BREAKER_STATE).set(BreakerState::Closed.gauge());

@@ -327,6 +327,10 @@ impl Store for MemoryStore {
     fn backend(&self) -> &'static str {
         "memory"
     }
+
+    fn in_process(&self) -> bool {
+        true
+    }
 }
 
 #[cfg(test)]

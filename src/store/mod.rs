@@ -127,6 +127,12 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// The backend's name, as used in metric labels and logs.
     fn backend(&self) -> &'static str;
 
+    /// Whether the state lives in this process (nothing to fail over from:
+    /// the failure policy leaves such a store alone).
+    fn in_process(&self) -> bool {
+        false
+    }
+
     /// Whether the store can decide right now (for `/readyz`).
     fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(std::future::ready(Ok(())))
