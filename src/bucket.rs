@@ -23,6 +23,7 @@
 //! The function never reads a clock or touches storage: it takes the stored
 //! state and `now`, and returns the decision and the state to store.
 
+use crate::algorithm::Algorithm;
 use crate::clock::Micros;
 use std::time::Duration;
 
@@ -38,6 +39,7 @@ pub struct Limit {
     burst: u64,
     rate: u64,
     period_us: u64,
+    algorithm: Algorithm,
 }
 
 /// Why a [`Limit`] cannot be built.
@@ -102,6 +104,7 @@ impl Limit {
                 burst,
                 rate,
                 period_us,
+                algorithm: Algorithm::TokenBucket,
             }),
             _ => Err(LimitError::TooLarge),
         }
@@ -110,6 +113,16 @@ impl Limit {
     /// `burst` tokens refilled at `per_second` tokens per second.
     pub fn per_second(burst: u64, per_second: u64) -> Result<Self, LimitError> {
         Self::new(burst, per_second, Duration::from_secs(1))
+    }
+
+    /// The same limit, enforced by `algorithm` (see [`crate::algorithm`]).
+    pub fn with_algorithm(self, algorithm: Algorithm) -> Self {
+        Self { algorithm, ..self }
+    }
+
+    /// The algorithm that enforces this limit (token bucket unless set).
+    pub fn algorithm(&self) -> Algorithm {
+        self.algorithm
     }
 
     /// Refuses a cost no amount of waiting could admit.

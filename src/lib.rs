@@ -5,6 +5,8 @@
 //!   wall clock for the request path, and a manual clock for tests.
 //! - [`bucket`]: the exact token bucket, pure: `(limit, state, cost, now)` to
 //!   `(decision, state)`.
+//! - [`algorithm`]: GCRA, fixed window, sliding log and sliding-window
+//!   counter, each pure and exact like the bucket, with the same decision.
 //! - [`store`]: where bucket state lives, behind one narrow async trait; the
 //!   in-memory, sharded, memory-bounded store is here.
 //! - [`failover`]: what happens when the shared store misbehaves: a
@@ -23,6 +25,7 @@
 //! - [`api`]: the sample API being protected, and `app()` that assembles it.
 //! - [`server`]: bind, serve, shut down gracefully.
 
+pub mod algorithm;
 pub mod api;
 pub mod bucket;
 pub mod clock;

@@ -1,0 +1,60 @@
+//! Fixed-window counter: count requests per window `[k·W, (k+1)·W)`, windows
+//! aligned to the epoch, and admit while the count stays at most the limit.
+//!
+//! The cheapest algorithm: one counter per key, and a key that expires at
+//! the window's end. Its failure: nothing connects two windows, so a client
+//! that spends the limit at the end of one window and again at the start of
+//! the next passes **2x the limit within a fraction of a window**. That is
+//! also the most it can pass in any interval of length `W` (which touches at
+//! most two windows); a property test holds it to exactly that.
+//!
+//! The window index is stored beside the count, so a clock that steps back
+//! into an earlier window keeps counting in the stored one instead of
+//! reopening the earlier window with a fresh count.
+
+use super::{Window, cost_fits, micros};
+use crate::bucket::{CostExceedsBurst, Decision};
+use crate::clock::Micros;
+
+/// The current window's index (`start / W`) and what it has admitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FixedState {
+    /// Index of the window the count belongs to.
+    pub index: u64,
+    /// Tokens admitted in it.
+    pub count: u64,
+}
+
+/// Decide one request of `cost` at `now`.
+pub fn check(
+    window: &Window,
+    state: Option<FixedState>,
+    cost: u64,
+    now: Micros,
+) -> Result<(Decision, FixedState), CostExceedsBurst> {
+    cost_fits(window, cost)?;
+    let w = window.window_us;
+    let current = now / w;
+    let FixedState { index, mut count } = match state {
+        Some(s) if s.index >= current => s,
+        _ => FixedState {
+            index: current,
+            count: 0,
+        },
+    };
+    let allowed = count + cost <= window.limit;
+    if allowed {
+        count += cost;
+    }
+    // Everything is measured from the real `now`, even when the stored
+    // window is ahead of it.
+    let end = (index + 1) * w - now;
+    let decision = Decision {
+        allowed,
+        limit: window.limit,
+        remaining: window.limit - count,
+        retry_after: micros(if count + cost <= window.limit { 0 } else { end }),
+        reset: micros(if count == 0 { 0 } else { end }),
+    };
+    Ok((decision, FixedState { index, count }))
+}
