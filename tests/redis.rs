@@ -135,6 +135,71 @@ fn lua_script_matches_the_rust_core_on_a_redis_cluster() {
     assert!(holding >= 2, "keys landed on only {holding} node(s)");
 }
 
+/// GCRA, fixed window, sliding log and sliding-window counter: each Lua
+/// script against its Rust core, the same random (now, cost, limit)
+/// sequences (backward steps included), identical decisions.
+fn differential_algorithms(store: &LuaStore, rt: &tokio::runtime::Runtime, cases: u32) {
+    use ratelimiter::algorithm::{self, Algorithm};
+    for algorithm in [
+        Algorithm::Gcra,
+        Algorithm::FixedWindow,
+        Algorithm::SlidingLog,
+        Algorithm::SlidingWindow,
+    ] {
+        let mut runner = TestRunner::new(ProptestConfig::with_cases(cases));
+        let key = std::cell::Cell::new(0u128);
+        runner
+            .run(&cases_strategy(), |((burst, rate, period), steps)| {
+                key.set(key.get() + 1);
+                let bucket_key = BucketKey(
+                    (key.get() + 1000 * algorithm as u128)
+                        .wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835),
+                );
+                let limit = Limit::new(burst, rate, Duration::from_micros(period))
+                    .unwrap()
+                    .with_algorithm(algorithm);
+                let mut state = None;
+                let mut now = T0 as i64;
+                for (dt, cost, _) in steps {
+                    now += dt;
+                    let (expected, next) =
+                        algorithm::check(&limit, state.take(), cost, now as u64).unwrap();
+                    state = next;
+                    let got = rt
+                        .block_on(store.check_key(bucket_key, &limit, cost, now as u64))
+                        .unwrap();
+                    prop_assert_eq!(
+                        got,
+                        expected,
+                        "{:?} now={} cost={} limit={:?}",
+                        algorithm,
+                        now,
+                        cost,
+                        limit
+                    );
+                }
+                Ok(())
+            })
+            .unwrap();
+    }
+}
+
+#[test]
+fn every_algorithm_script_matches_its_rust_core_on_a_real_redis() {
+    let redis = RedisServer::start();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let store = rt.block_on(lua(&settings(vec![redis.url()], false)));
+    differential_algorithms(&store, &rt, 64);
+}
+
+#[test]
+fn every_algorithm_script_matches_its_rust_core_on_a_redis_cluster() {
+    let cluster = RedisCluster::start();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let store = rt.block_on(lua(&settings(cluster.urls(), true)));
+    differential_algorithms(&store, &rt, 12);
+}
+
 #[tokio::test]
 async fn keys_expire_when_full_again_and_denials_write_nothing() {
     let redis = RedisServer::start();

@@ -25,13 +25,14 @@ pub struct FixedState {
     pub count: u64,
 }
 
-/// Decide one request of `cost` at `now`.
+/// Decide one request of `cost` at `now`; returns the decision and the
+/// state to store.
 pub fn check(
     window: &Window,
     state: Option<FixedState>,
     cost: u64,
     now: Micros,
-) -> Result<(Decision, FixedState), CostExceedsBurst> {
+) -> Result<(Decision, Option<FixedState>), CostExceedsBurst> {
     cost_fits(window, cost)?;
     let w = window.window_us;
     let current = now / w;
@@ -56,5 +57,12 @@ pub fn check(
         retry_after: micros(if count + cost <= window.limit { 0 } else { end }),
         reset: micros(if count == 0 { 0 } else { end }),
     };
-    Ok((decision, FixedState { index, count }))
+    // Only an admission that spends writes (as the script does): otherwise
+    // what was stored stays, and reads the same.
+    let stored = if allowed && cost > 0 {
+        Some(FixedState { index, count })
+    } else {
+        state
+    };
+    Ok((decision, stored))
 }

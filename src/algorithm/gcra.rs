@@ -41,13 +41,14 @@ fn ahead_units(state: GcraState, now: Micros, rate: u64) -> u64 {
 }
 
 /// Decide one request of `cost` at `now`; returns the decision and the
-/// state to store (the one given, on a denial).
+/// state to store: the one given on a denial, `None` (no key) for a full
+/// bucket, as the Lua script keeps it.
 pub fn check(
     limit: &Limit,
     state: Option<GcraState>,
     cost: u64,
     now: Micros,
-) -> Result<(Decision, GcraState), CostExceedsBurst> {
+) -> Result<(Decision, Option<GcraState>), CostExceedsBurst> {
     limit.check_cost(cost)?;
     let cap = limit.capacity_units();
     let unit = limit.units_per_token();
@@ -66,6 +67,7 @@ pub fn check(
     };
     let allowed = ahead_units(moved, now, rate) <= cap;
     let kept = if allowed { moved } else { given };
+    // (A denial keeps what was stored; `given` stands in for "nothing".)
     let ahead = ahead_units(kept, now, rate);
     // The bucket's level is what the TAT leaves of the capacity.
     let tokens = cap.saturating_sub(ahead);
@@ -83,5 +85,10 @@ pub fn check(
         retry_after: micros(wait((ahead + cost * unit).saturating_sub(cap))),
         reset: micros(wait(ahead)),
     };
-    Ok((decision, if allowed { moved } else { given }))
+    let stored = match (allowed, ahead) {
+        (false, _) => state,
+        (true, 0) => None,
+        (true, _) => Some(moved),
+    };
+    Ok((decision, stored))
 }

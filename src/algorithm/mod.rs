@@ -109,14 +109,16 @@ pub enum State {
     Counter(sliding_window::CounterState),
 }
 
-/// Decide one request with the limit's algorithm. `state` must be one this
-/// function returned for the same limit (another shape reads as absent).
+/// Decide one request with the limit's algorithm. `state` is what a store
+/// holds for the key (`None`: no key); the result's state is what it should
+/// hold afterwards (`None`: no key), exactly as the Lua scripts keep it. A
+/// state of another algorithm's shape reads as no key.
 pub fn check(
     limit: &Limit,
     state: Option<State>,
     cost: u64,
     now: Micros,
-) -> Result<(Decision, State), CostExceedsBurst> {
+) -> Result<(Decision, Option<State>), CostExceedsBurst> {
     let window = Window::of(limit);
     Ok(match limit.algorithm() {
         Algorithm::TokenBucket => {
@@ -124,8 +126,15 @@ pub fn check(
                 Some(State::Bucket(s)) => Some(s),
                 _ => None,
             };
-            let (d, s) = bucket::check(limit, s, cost, now)?;
-            (d, State::Bucket(s))
+            let (d, next) = bucket::check(limit, s, cost, now)?;
+            // The stores keep no key for a full bucket, and a denial
+            // writes nothing.
+            let kept = if !d.allowed {
+                s
+            } else {
+                (!d.reset.is_zero()).then_some(next)
+            };
+            (d, kept.map(State::Bucket))
         }
         Algorithm::Gcra => {
             let s = match state {
@@ -133,7 +142,7 @@ pub fn check(
                 _ => None,
             };
             let (d, s) = gcra::check(limit, s, cost, now)?;
-            (d, State::Gcra(s))
+            (d, s.map(State::Gcra))
         }
         Algorithm::FixedWindow => {
             let s = match state {
@@ -141,7 +150,7 @@ pub fn check(
                 _ => None,
             };
             let (d, s) = fixed_window::check(&window, s, cost, now)?;
-            (d, State::Fixed(s))
+            (d, s.map(State::Fixed))
         }
         Algorithm::SlidingLog => {
             let s = match state {
@@ -149,7 +158,7 @@ pub fn check(
                 _ => sliding_log::LogState::default(),
             };
             let (d, s) = sliding_log::check(&window, s, cost, now)?;
-            (d, State::Log(s))
+            (d, (!s.entries.is_empty()).then_some(State::Log(s)))
         }
         Algorithm::SlidingWindow => {
             let s = match state {
@@ -157,7 +166,7 @@ pub fn check(
                 _ => None,
             };
             let (d, s) = sliding_window::check(&window, s, cost, now)?;
-            (d, State::Counter(s))
+            (d, s.map(State::Counter))
         }
     })
 }

@@ -30,13 +30,14 @@ pub struct CounterState {
     pub prev: u64,
 }
 
-/// Decide one request of `cost` at `now`.
+/// Decide one request of `cost` at `now`; returns the decision and the
+/// state to store.
 pub fn check(
     window: &Window,
     state: Option<CounterState>,
     cost: u64,
     now: Micros,
-) -> Result<(Decision, CounterState), CostExceedsBurst> {
+) -> Result<(Decision, Option<CounterState>), CostExceedsBurst> {
     cost_fits(window, cost)?;
     let (w, limit) = (window.window_us, window.limit);
     // A clock behind the stored window is read as that window's start.
@@ -89,7 +90,13 @@ pub fn check(
         retry_after: micros(retry_at - now),
         reset: micros(reset_at.saturating_sub(now)),
     };
-    let stored = CounterState { index, cur, prev };
+    // Only an admission that spends writes (as the script does); a stale
+    // stored window reads the same as its advanced form.
+    let stored = if allowed && cost > 0 {
+        Some(CounterState { index, cur, prev })
+    } else {
+        state
+    };
     Ok((decision, stored))
 }
 

@@ -43,7 +43,7 @@ fn run(limit: &Limit, calls: &[(u64, u64)]) -> (Vec<Decision>, Option<State>) {
         .iter()
         .map(|&(now, cost)| {
             let (d, s) = check(limit, state.take(), cost, now).unwrap();
-            state = Some(s);
+            state = s;
             d
         })
         .collect();
@@ -193,7 +193,7 @@ fn fixed_window_passes_twice_the_limit_across_a_boundary() {
     for now in [boundary - 1, boundary] {
         for _ in 0..15 {
             let (d, s) = check(&limit, state.take(), 1, now).unwrap();
-            state = Some(s);
+            state = s;
             passed += u32::from(d.allowed);
         }
     }
@@ -204,7 +204,7 @@ fn fixed_window_passes_twice_the_limit_across_a_boundary() {
     for now in [boundary - 1, boundary] {
         for _ in 0..15 {
             let (d, s) = check(&log, state.take(), 1, now).unwrap();
-            state = Some(s);
+            state = s;
             passed += u32::from(d.allowed);
         }
     }
@@ -228,7 +228,7 @@ fn sliding_window_counter_errs_both_ways_when_traffic_is_bunched() {
             let mut p = 0;
             for _ in 0..n {
                 let (d, s) = check(&limit, state.take(), 1, now).unwrap();
-                state = Some(s);
+                state = s;
                 p += u32::from(d.allowed);
             }
             passed.push(p);

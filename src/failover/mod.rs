@@ -36,11 +36,17 @@
 //! ([`crate::bucket::check_within`]): Redis's bucket can hold no more than
 //! the fallback left. A local bucket refills in exactly the time the shared
 //! one would, so after that the ceiling has nothing left to say.
+//!
+//! The local share is a token bucket whatever the policy's algorithm, and
+//! the ceiling is a bucket level, so only token-bucket policies are handed
+//! back with one; other algorithms' shared state restarts empty after a
+//! Redis restart (a fresh window).
 
 mod breaker;
 
 pub use breaker::{Breaker, BreakerState, Permit, Transition};
 
+use crate::algorithm::Algorithm;
 use crate::bucket::{Decision, Limit};
 use crate::clock::Micros;
 use crate::metrics as m;
@@ -152,6 +158,10 @@ pub enum FailoverError {
 
 /// The local share of `limit` among `instances` (see the module docs).
 pub fn share(limit: &Limit, instances: u64, cost: u64) -> Limit {
+    // Whatever the policy's algorithm, the local share is a token bucket:
+    // the in-process store keeps that one, and its mirror and ceiling are
+    // bucket levels.
+    let limit = &limit.with_algorithm(Algorithm::TokenBucket);
     if instances <= 1 {
         return *limit;
     }
@@ -272,7 +282,7 @@ impl Failover {
                     });
                 }
                 // The request itself is at fault, not the store.
-                Ok(Err(e @ StoreError::CostExceedsBurst(_))) => {
+                Ok(Err(e)) if e.is_request_error() => {
                     return Err(FailoverError::Store(e));
                 }
                 Ok(Err(e)) => e.kind(),

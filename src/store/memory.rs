@@ -318,9 +318,10 @@ impl Store for MemoryStore {
         now: Micros,
         ceiling: Option<u64>,
     ) -> BoxFuture<'_, Result<Decision, StoreError>> {
-        let result = self
-            .check_sync_within(key, &limit, cost, now, ceiling.unwrap_or(u64::MAX))
-            .map_err(StoreError::from);
+        let result = StoreError::token_bucket_only("memory", &limit).and_then(|()| {
+            self.check_sync_within(key, &limit, cost, now, ceiling.unwrap_or(u64::MAX))
+                .map_err(StoreError::from)
+        });
         Box::pin(std::future::ready(result))
     }
 

@@ -51,13 +51,43 @@ pub enum StoreError {
     /// Redis failed or did not answer in time.
     #[error("redis: {0}")]
     Redis(#[from] ::redis::RedisError),
+    /// This store implements the token bucket only (config validation
+    /// refuses other algorithms with such a backend).
+    #[error("the {backend} store does not implement {algorithm}")]
+    UnsupportedAlgorithm {
+        /// The store's backend name.
+        backend: &'static str,
+        /// The algorithm asked for.
+        algorithm: &'static str,
+    },
 }
 
 impl StoreError {
+    /// Whether the request itself is at fault (configuration), not the
+    /// store: such errors are not failures to fail over from.
+    pub fn is_request_error(&self) -> bool {
+        matches!(
+            self,
+            StoreError::CostExceedsBurst(_) | StoreError::UnsupportedAlgorithm { .. }
+        )
+    }
+
+    /// Refuses anything but the token bucket (for stores that only have it).
+    pub fn token_bucket_only(backend: &'static str, limit: &Limit) -> Result<(), StoreError> {
+        match limit.algorithm() {
+            crate::algorithm::Algorithm::TokenBucket => Ok(()),
+            other => Err(StoreError::UnsupportedAlgorithm {
+                backend,
+                algorithm: other.as_str(),
+            }),
+        }
+    }
+
     /// The bounded label used for this error in metrics.
     pub fn kind(&self) -> &'static str {
         match self {
             StoreError::CostExceedsBurst(_) => "cost_exceeds_burst",
+            StoreError::UnsupportedAlgorithm { .. } => "unsupported_algorithm",
             StoreError::Redis(e) => redis_error_kind(e),
         }
     }

@@ -27,6 +27,7 @@
 //! every request behind a sick Redis.
 
 use super::{BoxFuture, BucketKey, Store, StoreError};
+use crate::algorithm::{Algorithm, Window};
 use crate::bucket::{self, BucketState, Decision, Limit};
 use crate::clock::Micros;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
@@ -260,8 +261,33 @@ fn parse_reply(reply: &str) -> Option<(bool, u64, u64, u64)> {
 pub struct LuaStore {
     connection: RedisConnection,
     script: Script,
+    others: [Script; 4],
     prefix: String,
     ttl_margin_us: u64,
+}
+
+/// The other algorithms' scripts, as shipped in `lua/` (index: see
+/// [`LuaStore::script_for`]).
+pub const GCRA_LUA: &str = include_str!("../../lua/gcra.lua");
+/// See [`GCRA_LUA`].
+pub const FIXED_WINDOW_LUA: &str = include_str!("../../lua/fixed_window.lua");
+/// See [`GCRA_LUA`].
+pub const SLIDING_LOG_LUA: &str = include_str!("../../lua/sliding_log.lua");
+/// See [`GCRA_LUA`].
+pub const SLIDING_WINDOW_LUA: &str = include_str!("../../lua/sliding_window.lua");
+
+/// The Redis key of a bucket under `algorithm`. Each algorithm stores a
+/// different shape (a sorted set for the log), so each has its own key
+/// space: a policy switched to another algorithm starts afresh instead of
+/// misreading the old value (or failing with WRONGTYPE).
+pub fn algorithm_key(prefix: &str, algorithm: Algorithm, key: BucketKey) -> String {
+    match algorithm {
+        Algorithm::TokenBucket => redis_key(prefix, key),
+        Algorithm::Gcra => format!("{prefix}gcra:{{{key}}}"),
+        Algorithm::FixedWindow => format!("{prefix}fw:{{{key}}}"),
+        Algorithm::SlidingLog => format!("{prefix}log:{{{key}}}"),
+        Algorithm::SlidingWindow => format!("{prefix}sw:{{{key}}}"),
+    }
 }
 
 impl LuaStore {
@@ -270,14 +296,36 @@ impl LuaStore {
         Self {
             connection,
             script: Script::new(TOKEN_BUCKET_LUA),
+            others: [
+                Script::new(GCRA_LUA),
+                Script::new(FIXED_WINDOW_LUA),
+                Script::new(SLIDING_LOG_LUA),
+                Script::new(SLIDING_WINDOW_LUA),
+            ],
             prefix: settings.prefix.clone(),
             ttl_margin_us: u64::try_from(settings.ttl_margin.as_micros()).unwrap_or(u64::MAX),
         }
     }
 
-    /// The script's SHA1, as EVALSHA sends it.
+    /// The token bucket script's SHA1, as EVALSHA sends it.
     pub fn script_hash(&self) -> &str {
         self.script.get_hash()
+    }
+
+    /// The script that runs `algorithm`.
+    pub fn script_for(&self, algorithm: Algorithm) -> &Script {
+        match algorithm {
+            Algorithm::TokenBucket => &self.script,
+            Algorithm::Gcra => &self.others[0],
+            Algorithm::FixedWindow => &self.others[1],
+            Algorithm::SlidingLog => &self.others[2],
+            Algorithm::SlidingWindow => &self.others[3],
+        }
+    }
+
+    /// The Redis key of `key` under `algorithm` with this store's prefix.
+    pub fn key_name(&self, algorithm: Algorithm, key: BucketKey) -> String {
+        algorithm_key(&self.prefix, algorithm, key)
     }
 
     /// The decision for `key`, straight from the script.
@@ -302,15 +350,27 @@ impl LuaStore {
     ) -> Result<Decision, StoreError> {
         limit.check_cost(cost)?;
         let mut connection = self.connection.clone();
-        let mut invocation = self.script.key(redis_key(&self.prefix, key));
-        invocation
-            .arg(now)
-            .arg(cost)
-            .arg(limit.units_per_token())
-            .arg(limit.rate_units_per_us())
-            .arg(limit.capacity_units())
-            .arg(self.ttl_margin_us);
-        if let Some(ceiling) = ceiling {
+        let algorithm = limit.algorithm();
+        let mut invocation = self
+            .script_for(algorithm)
+            .key(self.key_name(algorithm, key));
+        invocation.arg(now).arg(cost);
+        match algorithm {
+            Algorithm::TokenBucket | Algorithm::Gcra => {
+                invocation
+                    .arg(limit.units_per_token())
+                    .arg(limit.rate_units_per_us())
+                    .arg(limit.capacity_units());
+            }
+            Algorithm::FixedWindow | Algorithm::SlidingLog | Algorithm::SlidingWindow => {
+                let window = Window::of(limit);
+                invocation.arg(window.limit).arg(window.window_us);
+            }
+        }
+        invocation.arg(self.ttl_margin_us);
+        // The hand-back ceiling is a bucket level: only the token bucket
+        // takes it (the other algorithms hand back without one).
+        if let (Some(ceiling), Algorithm::TokenBucket) = (ceiling, algorithm) {
             // At most the capacity, so the script's integers stay exact.
             invocation.arg(ceiling.min(limit.capacity_units()));
         }
@@ -318,7 +378,7 @@ impl LuaStore {
         let (allowed, remaining, retry_after, reset) = parse_reply(&reply).ok_or_else(|| {
             RedisError::from((
                 redis::ErrorKind::UnexpectedReturnType,
-                "token bucket script reply",
+                "rate limit script reply",
                 reply.clone(),
             ))
         })?;
@@ -427,6 +487,7 @@ impl Store for NaiveStore {
         ceiling: Option<u64>,
     ) -> BoxFuture<'_, Result<Decision, StoreError>> {
         Box::pin(async move {
+            StoreError::token_bucket_only("naive", &limit)?;
             let read = self.read(key).await?;
             self.decide_and_write(key, read, &limit, cost, now, ceiling)
                 .await
