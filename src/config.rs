@@ -29,7 +29,12 @@
 //! | `failure.breaker_cooldown` | `--breaker-cooldown` / `RL_BREAKER_COOLDOWN` | `500ms` |
 //! | `[[api_keys]]` | file only | none |
 //! | `[[policies]]` | file only | one policy `api`: route `/api/`, burst 100, 10/s |
+//!
+//! A policy's `algorithm` (default `token_bucket`; `gcra`, `fixed_window`,
+//! `sliding_log`, `sliding_window` need backend `lua`) reads the same
+//! `burst`/`rate`/`per`: see [`crate::algorithm`].
 
+use crate::algorithm::{Algorithm, Window};
 use crate::bucket::{Limit, LimitError};
 use crate::failover::{FailoverSettings, FailureMode};
 use crate::identity::ApiKeys;
@@ -226,6 +231,7 @@ struct PolicyFile {
     cost: Option<u64>,
     anonymous: Option<LimitFile>,
     failure_mode: Option<FailureMode>,
+    algorithm: Option<Algorithm>,
 }
 
 /// Memory backend settings.
@@ -328,6 +334,10 @@ fn invalid(field: impl Into<String>, message: impl std::fmt::Display) -> ConfigE
         message: message.to_string(),
     }
 }
+
+/// The largest burst a `sliding_log` policy may have: its log holds one
+/// sorted-set member per token admitted in the window, per client.
+pub const SLIDING_LOG_MAX: u64 = 100_000;
 
 /// The built-in policy used when the file defines none.
 pub fn default_policies() -> Vec<PolicyConfig> {
@@ -564,7 +574,7 @@ impl Config {
         let api_keys = Self::api_keys(file.api_keys)?;
         let policies = match file.policies {
             None => default_policies(),
-            Some(list) => Self::policies(list)?,
+            Some(list) => Self::policies(list, backend)?,
         };
 
         Ok(Self {
@@ -708,7 +718,55 @@ impl Config {
         Ok(out)
     }
 
-    fn policies(list: Vec<PolicyFile>) -> Result<Vec<PolicyConfig>, ConfigError> {
+    /// What an algorithm needs: a Redis backend (the in-process store and
+    /// the racy baseline keep token buckets only), and limits its script
+    /// computes exactly.
+    fn check_algorithm(
+        field: &str,
+        algorithm: Algorithm,
+        backend: Backend,
+        limits: &[Limit],
+    ) -> Result<(), ConfigError> {
+        if algorithm == Algorithm::TokenBucket {
+            return Ok(());
+        }
+        if backend != Backend::Lua {
+            return Err(invalid(
+                format!("{field}.algorithm"),
+                format!(
+                    "{} needs backend lua (the {} backend keeps token buckets only)",
+                    algorithm.as_str(),
+                    backend.as_str()
+                ),
+            ));
+        }
+        for limit in limits {
+            let window = Window::of(limit);
+            match algorithm {
+                Algorithm::SlidingWindow
+                    if u128::from(window.limit) * u128::from(window.window_us)
+                        > u128::from(crate::bucket::MAX_EXACT) * 2 =>
+                {
+                    return Err(invalid(
+                        format!("{field}.burst"),
+                        "burst x window (in microseconds) must not exceed 2^53 for sliding_window",
+                    ));
+                }
+                Algorithm::SlidingLog if window.limit > SLIDING_LOG_MAX => {
+                    return Err(invalid(
+                        format!("{field}.burst"),
+                        format!(
+                            "sliding_log keeps one entry per token in the window: burst must be at most {SLIDING_LOG_MAX}"
+                        ),
+                    ));
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    fn policies(list: Vec<PolicyFile>, backend: Backend) -> Result<Vec<PolicyConfig>, ConfigError> {
         let mut out: Vec<PolicyConfig> = Vec::with_capacity(list.len());
         for (i, p) in list.into_iter().enumerate() {
             let field = format!("policies[{i}]");
@@ -748,10 +806,11 @@ impl Config {
                     || p.anonymous.is_some()
                     || p.cost.is_some()
                     || p.failure_mode.is_some()
+                    || p.algorithm.is_some()
                 {
                     return Err(invalid(
                         &field,
-                        "an unlimited policy takes no burst, rate, cost, anonymous limit or failure_mode",
+                        "an unlimited policy takes no burst, rate, cost, anonymous limit, failure_mode or algorithm",
                     ));
                 }
                 (None, None)
@@ -778,6 +837,12 @@ impl Config {
                     )?,
                     None => limit,
                 };
+                let algorithm = p.algorithm.unwrap_or_default();
+                Self::check_algorithm(&field, algorithm, backend, &[limit, anonymous])?;
+                let (limit, anonymous) = (
+                    limit.with_algorithm(algorithm),
+                    anonymous.with_algorithm(algorithm),
+                );
                 for (l, f) in [(limit, "burst"), (anonymous, "anonymous.burst")] {
                     if cost > l.burst() {
                         return Err(invalid(

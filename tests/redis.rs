@@ -439,3 +439,44 @@ async fn key_expiry_always_covers_the_refill_and_is_rarely_reset() {
         "{refreshes} TTL resets for {writes} writes"
     );
 }
+
+/// The HTTP contract holds for the window algorithms too, with their own
+/// meaning of reset: a fixed window of 10 per 10 s, on a manual clock.
+#[tokio::test]
+async fn a_fixed_window_policy_speaks_the_same_headers_over_http() {
+    use ratelimiter::clock::ManualClock;
+    let redis = RedisServer::start();
+    let w = 10_000_000;
+    // 4 s into a window.
+    let start = (T0 / w + 1) * w + 4_000_000;
+    let clock = ManualClock::new(start);
+    let config = format!(
+        "backend = \"lua\"\nkey_secret = \"0123456789abcdef0123\"\n\
+         [redis]\nurl = \"{}\"\nprefix = \"http-fw:\"\nresponse_timeout = \"2s\"\n\
+         [failure]\ndeadline = \"2s\"\nmode = \"closed\"\n\
+         [[policies]]\nname = \"api\"\nroute = \"/api/\"\nburst = 10\nrate = 1\nalgorithm = \"fixed_window\"\n",
+        redis.url()
+    );
+    let server = support::TestServer::start(&config, Arc::new(clock.clone())).await;
+    let http = support::client();
+    for i in 0..10u64 {
+        let r = server.get(&http, "/api/items", &[]).await;
+        assert_eq!(r.status(), 200, "request {i}");
+        assert_eq!(support::header(&r, "ratelimit-limit"), "10");
+        assert_eq!(
+            support::header(&r, "ratelimit-remaining"),
+            (9 - i).to_string()
+        );
+        // The count resets at the window's end, 6 s away.
+        assert_eq!(support::header(&r, "ratelimit-reset"), "6");
+        assert_eq!(support::header(&r, "ratelimit-policy"), "\"api\";q=10;w=10");
+    }
+    let r = server.get(&http, "/api/items", &[]).await;
+    assert_eq!(r.status(), 429);
+    assert_eq!(support::header(&r, "retry-after"), "6");
+    // At the boundary the whole limit is back: the fixed window's weakness.
+    clock.set(start + 6_000_000);
+    let r = server.get(&http, "/api/items", &[]).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(support::header(&r, "ratelimit-remaining"), "9");
+}

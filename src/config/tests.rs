@@ -128,3 +128,35 @@ fn each_bad_config_fixture_is_refused_naming_its_field() {
     }
     assert!(checked >= 15, "only {checked} fixtures found");
 }
+
+#[test]
+fn a_policy_picks_its_algorithm_for_both_limits() {
+    let c = Config::from_toml(
+        r#"
+        backend = "lua"
+        key_secret = "0123456789abcdef0123"
+        [[policies]]
+        name = "api"
+        route = "/api/"
+        burst = 100
+        rate = 10
+        algorithm = "sliding_window"
+        anonymous = { burst = 20, rate = 2 }
+        [[policies]]
+        name = "orders"
+        route = "/api/orders"
+        burst = 10
+        rate = 1
+        "#,
+    )
+    .unwrap();
+    use crate::algorithm::Algorithm;
+    let api = &c.policies[0];
+    assert_eq!(api.limit.unwrap().algorithm(), Algorithm::SlidingWindow);
+    assert_eq!(api.anonymous.unwrap().algorithm(), Algorithm::SlidingWindow);
+    assert_eq!(
+        c.policies[1].limit.unwrap().algorithm(),
+        Algorithm::TokenBucket,
+        "the default"
+    );
+}
