@@ -45,25 +45,25 @@ pub struct LuaBenchArgs {
 /// Fixed "now" for both sides (redis-benchmark cannot vary an argument).
 const NOW: u64 = 1_800_000_000_000_000;
 
-struct Stats {
-    calls: u64,
-    usec: f64,
+pub(crate) struct Stats {
+    pub(crate) calls: u64,
+    pub(crate) usec: f64,
 }
 
 /// The server's CPU time so far (user + system), seconds.
-async fn cpu_seconds(conn: &mut RedisConnection) -> anyhow::Result<f64> {
+pub(crate) async fn cpu_seconds(conn: &mut RedisConnection) -> anyhow::Result<f64> {
     let cpu: String = redis::cmd("INFO").arg("cpu").query_async(conn).await?;
     Ok(field(&cpu, "used_cpu_user").context("used_cpu_user")?
         + field(&cpu, "used_cpu_sys").context("used_cpu_sys")?)
 }
 
-fn field(info: &str, name: &str) -> Option<f64> {
+pub(crate) fn field(info: &str, name: &str) -> Option<f64> {
     info.lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
         .and_then(|v| v.trim().parse().ok())
 }
 
-async fn stats(conn: &mut RedisConnection) -> anyhow::Result<Stats> {
+pub(crate) async fn stats(conn: &mut RedisConnection) -> anyhow::Result<Stats> {
     let commands: String = redis::cmd("INFO")
         .arg("commandstats")
         .query_async(conn)
@@ -98,7 +98,7 @@ pub struct Side {
 
 /// Connection settings shared by both sides: generous timeouts (this
 /// measures cost, not latency) and the same TTL margin.
-fn bench_settings(url: &str, prefix: &str) -> RedisSettings {
+pub(crate) fn bench_settings(url: &str, prefix: &str) -> RedisSettings {
     RedisSettings {
         urls: vec![url.to_owned()],
         cluster: false,
@@ -111,7 +111,7 @@ fn bench_settings(url: &str, prefix: &str) -> RedisSettings {
 }
 
 /// Resets the server's stats; returns its CPU time so far.
-async fn begin(admin: &mut RedisConnection) -> anyhow::Result<f64> {
+pub(crate) async fn begin(admin: &mut RedisConnection) -> anyhow::Result<f64> {
     let () = redis::cmd("CONFIG")
         .arg("RESETSTAT")
         .query_async(admin)

@@ -13,11 +13,16 @@
 //! `loadtest instance`, which runs exactly what the `ratelimiter` binary
 //! runs) and measures over-admission per backend.
 //!
+//! `cargo run -p loadtest -- compare` runs every algorithm (token bucket,
+//! GCRA, fixed window, sliding log, sliding-window counter) through its Lua
+//! script on the same policy and traffic shapes (see `compare.rs`).
+//!
 //! `cargo run -p loadtest -- outage` kills, hangs, slows and black-holes
 //! Redis under load (see `outage.rs`) and measures what each failure mode
 //! admits, how long requests wait and how fast Redis takes over again.
 
 mod cluster;
+mod compare;
 mod luabench;
 mod outage;
 mod proxy;
@@ -51,6 +56,8 @@ enum Command {
     LuaBench(luabench::LuaBenchArgs),
     /// Redis killed, hung, slowed, black-holed under load: each failure mode measured.
     Outage(outage::OutageArgs),
+    /// Every algorithm on the same policy: accuracy by traffic shape, memory, cost.
+    Compare(compare::CompareArgs),
     /// Run one API instance (what the `ratelimiter` binary runs); used by
     /// the scenarios that start their own instances.
     #[command(hide = true)]
@@ -120,6 +127,9 @@ async fn main() -> anyhow::Result<()> {
             );
         }
         Command::LuaBench(args) => luabench::run(args).await?,
+        Command::Compare(args) => {
+            compare::run(args).await?;
+        }
         Command::Outage(args) => {
             let results = outage::run(args).await?;
             let errors: usize = results.iter().map(|r| r.errors).sum();

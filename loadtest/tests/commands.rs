@@ -205,3 +205,96 @@ fn the_deadline_alone_bounds_the_wait_on_a_hung_redis() {
         "p99 {p99} ms on a hung Redis with a 10 ms deadline"
     );
 }
+
+fn csv_rows(path: &std::path::Path) -> Vec<HashMap<String, String>> {
+    let text = std::fs::read_to_string(path).unwrap();
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    lines
+        .map(|line| {
+            header
+                .iter()
+                .zip(line.split(','))
+                .map(|(k, v)| ((*k).to_owned(), v.to_owned()))
+                .collect()
+        })
+        .collect()
+}
+
+/// The comparison on a small policy: each algorithm keeps (or breaks) the
+/// promise it makes, measured through its script on a real Redis.
+#[test]
+fn compare_shows_each_algorithm_keeping_its_promise() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = std::env::temp_dir().join(format!("loadtest-compare-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let prefix = dir.join("cmp");
+    let out = Command::new(BIN)
+        .args(["compare", "--burst", "20", "--rate", "10", "--keys", "40"])
+        .arg("--csv")
+        .arg(&prefix)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let csv = |part: &str| csv_rows(&dir.join(format!("cmp-{part}.csv")));
+    let accuracy = csv("accuracy");
+    assert_eq!(accuracy.len(), 4 * 5);
+    let get = |shape: &str, algorithm: &str| {
+        accuracy
+            .iter()
+            .find(|r| r["shape"] == shape && r["algorithm"] == algorithm)
+            .unwrap_or_else(|| panic!("no row {shape}/{algorithm}"))
+            .clone()
+    };
+    for r in &accuracy {
+        let worst: u64 = r["worst_in_window"].parse().unwrap();
+        let excess: f64 = r["excess_over_bucket"].parse().unwrap();
+        match r["algorithm"].as_str() {
+            // Exact: never above the limit in any window, the reference.
+            "sliding_log" => {
+                assert!(worst <= 20, "{r:?}");
+                assert_eq!(r["false_denials"], "0");
+                assert_eq!(r["extra_admissions"], "0");
+            }
+            // Bounded by burst + rate x t, in every interval.
+            "token_bucket" | "gcra" => assert_eq!(excess, 0.0, "{r:?}"),
+            // At most twice the limit across a boundary.
+            "fixed_window" | "sliding_window" => assert!(worst <= 40, "{r:?}"),
+            other => panic!("{other}"),
+        }
+        // GCRA is the token bucket.
+        if r["algorithm"] == "gcra" {
+            let bucket = get(&r["shape"], "token_bucket");
+            assert_eq!(r["admitted"], bucket["admitted"]);
+            assert_eq!(r["worst_in_window"], bucket["worst_in_window"]);
+        }
+    }
+    // The fixed window's failure, measured: exactly 2x at the boundary.
+    assert_eq!(get("boundary", "fixed_window")["worst_in_window"], "40");
+    // Memory: the log grows with the rate; the others are one small value.
+    let memory = csv("memory");
+    let bytes = |algorithm: &str, rate: &str| -> u64 {
+        memory
+            .iter()
+            .find(|r| r["algorithm"] == algorithm && r["rate_multiple"] == rate)
+            .unwrap()["bytes"]
+            .parse()
+            .unwrap()
+    };
+    assert!(bytes("sliding_log", "0.5") < bytes("sliding_log", "1"));
+    assert!(bytes("sliding_log", "0.5") > bytes("token_bucket", "0.5"));
+    assert_eq!(bytes("token_bucket", "10"), bytes("token_bucket", "0.5"));
+    // Cost: every check counted by Redis itself.
+    let cost = csv("cost");
+    assert_eq!(cost.len(), 5);
+    for r in &cost {
+        assert_eq!(r["checks"], (40 * 30).to_string(), "{r:?}");
+        let us: f64 = r["evalsha_us"].parse().unwrap();
+        assert!(us > 0.0);
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
