@@ -61,7 +61,7 @@ enum Command {
     /// Run one API instance (what the `ratelimiter` binary runs); used by
     /// the scenarios that start their own instances.
     #[command(hide = true)]
-    Instance(ratelimiter::config::Cli),
+    Instance(Box<ratelimiter::config::Cli>),
 }
 
 static API_KEY: OnceLock<String> = OnceLock::new();
@@ -140,7 +140,7 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Instance(cli) => {
             ratelimiter::server::init_logging();
-            let config = ratelimiter::config::Config::load(cli)?;
+            let config = ratelimiter::config::Config::load(*cli)?;
             ratelimiter::server::run(config).await?;
         }
     }

@@ -437,7 +437,7 @@ async fn scenario(
                 .last()
                 .map_or(f64::NAN, |l| l.as_secs_f64() * 1000.0),
         ],
-        recovery_ms: recovered.then(|| recovery.as_secs_f64() * 1000.0),
+        recovery_ms: recovered.then_some(recovery.as_secs_f64() * 1000.0),
     })
 }
 

@@ -94,19 +94,10 @@ fn outage(tag: &str, args: &[&str]) -> HashMap<String, HashMap<String, String>> 
         String::from_utf8_lossy(&out.stderr)
     );
     println!("{table}");
-    let text = std::fs::read_to_string(&csv).unwrap();
+    let rows = csv_rows(&csv);
     std::fs::remove_dir_all(dir).unwrap();
-    let mut lines = text.lines();
-    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
-    lines
-        .map(|line| {
-            let row: HashMap<String, String> = header
-                .iter()
-                .zip(line.split(','))
-                .map(|(k, v)| ((*k).to_owned(), v.to_owned()))
-                .collect();
-            (format!("{}:{}", row["fault"], row["mode"]), row)
-        })
+    rows.into_iter()
+        .map(|row| (format!("{}:{}", row["fault"], row["mode"]), row))
         .collect()
 }
 
