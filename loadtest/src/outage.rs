@@ -21,8 +21,10 @@
 //! - who decided during the outage, read from the answers: `RateLimit-Limit`
 //!   equal to the burst is the shared bucket, equal to the local share is the
 //!   fallback, a 200 without rate headers is fail-open, a 503 fail-closed;
-//! - latency during the outage (p50, p99, max), and how long after the fault
-//!   ended every instance was deciding through Redis again;
+//! - latency during the outage (p50, p99, max); how long after the fault
+//!   ended every instance had answered from Redis again (the hand-back), and
+//!   how many answers after that still did not come from Redis (single
+//!   checks missing the deadline on a busy machine);
 //! - errors: transport failures and 5xx, except fail-closed's deliberate 503.
 //!
 //! Instances run with the service defaults (deadline 10 ms, Redis response
@@ -166,9 +168,12 @@ pub struct OutageResult {
     pub ideal_total: usize,
     /// Latency during the outage, ms: p50, p99, max.
     pub outage_latency_ms: [f64; 3],
-    /// From the fault's end until every instance decides through Redis
+    /// From the fault's end until every instance has answered from Redis
     /// again, ms (`None`: some never did).
     pub recovery_ms: Option<f64>,
+    /// Answers not from Redis after an instance's hand-back (checks that
+    /// missed the deadline in normal operation).
+    pub strays: usize,
 }
 
 fn ratio(a: usize, b: usize) -> f64 {
@@ -278,6 +283,19 @@ async fn drive(
     Ok(all)
 }
 
+/// Progress on stderr, with wall-clock times to line up with instance logs.
+fn tracing_free_log(fault: Fault, mode: &str, from: Duration, to: Duration) {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    eprintln!(
+        "outage: {} / {mode}: fault from +{:.3} s to +{:.3} s (restored at unix {now:.3})",
+        fault.as_str(),
+        from.as_secs_f64(),
+        to.as_secs_f64()
+    );
+}
+
 async fn scenario(
     fault: Fault,
     mode: &str,
@@ -362,7 +380,9 @@ async fn scenario(
             Fault::Latency => proxy.as_ref().context("proxy")?.set_latency(Duration::ZERO),
             Fault::Blackhole => proxy.as_ref().context("proxy")?.set_blackhole(false),
         }
-        anyhow::Ok((injected - start, Instant::now() - start))
+        let restored = Instant::now();
+        tracing_free_log(fault, mode, injected - start, restored - start);
+        anyhow::Ok((injected - start, restored - start))
     };
     let (samples, phases) = tokio::join!(load, control);
     let (samples, (from, to)) = (samples?, phases?);
@@ -388,20 +408,27 @@ async fn scenario(
     latencies.sort();
     let count = |source: Source| outage.iter().filter(|(_, s)| s.source == source).count();
 
-    // Recovery: per instance, the end of its last non-Redis answer to a
-    // request sent after the fault ended.
+    // Hand-back: per instance, when its first Redis-decided answer to a
+    // request sent after the fault ended arrived. Answers not from Redis
+    // after that are counted apart: single checks that missed the deadline
+    // on a busy machine, not the outage.
     let mut recovery = Duration::ZERO;
     let mut recovered = true;
+    let mut strays = 0;
     for instance in 0..args.instances {
         let after: Vec<&Sample> = samples
             .iter()
             .filter(|s| s.instance == instance && s.sent >= to)
             .collect();
-        match after.iter().rposition(|s| s.source != Source::Redis) {
-            None => {}
-            Some(i) if i + 1 == after.len() => recovered = false,
+        match after.iter().position(|s| s.source == Source::Redis) {
+            None => recovered = false,
             Some(i) => {
-                recovery = recovery.max((after[i].sent + after[i].latency).saturating_sub(to))
+                let s = after[i];
+                recovery = recovery.max((s.sent + s.latency).saturating_sub(to));
+                strays += after[i..]
+                    .iter()
+                    .filter(|s| s.source != Source::Redis)
+                    .count();
             }
         }
     }
@@ -438,6 +465,7 @@ async fn scenario(
                 .map_or(f64::NAN, |l| l.as_secs_f64() * 1000.0),
         ],
         recovery_ms: recovered.then_some(recovery.as_secs_f64() * 1000.0),
+        strays,
     })
 }
 
@@ -485,14 +513,14 @@ fn markdown(args: &OutageArgs, results: &[OutageResult]) -> String {
         args.deadline,
         args.response_timeout
     );
-    out.push_str("| fault | mode | requests | errors | 503 closed | outage: redis / local / open | admitted outage | ideal outage | ratio outage | admitted total | ideal total | ratio total | outage p50 ms | outage p99 ms | outage max ms | recovery ms |\n");
+    out.push_str("| fault | mode | requests | errors | 503 closed | outage: redis / local / open | admitted outage | ideal outage | ratio outage | admitted total | ideal total | ratio total | outage p50 ms | outage p99 ms | outage max ms | back on Redis after, ms | not Redis after that |\n");
     out.push_str(
-        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in results {
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {} | {} / {} / {} | {} | {} | {:.2} | {} | {} | {:.2} | {:.1} | {:.1} | {:.1} | {} |",
+            "| {} | {} | {} | {} | {} | {} / {} / {} | {} | {} | {:.2} | {} | {} | {:.2} | {:.1} | {:.1} | {:.1} | {} | {} |",
             r.fault,
             r.mode,
             r.requests,
@@ -512,6 +540,7 @@ fn markdown(args: &OutageArgs, results: &[OutageResult]) -> String {
             r.outage_latency_ms[2],
             r.recovery_ms
                 .map_or_else(|| "never".to_owned(), |ms| format!("{ms:.0}")),
+            r.strays,
         );
     }
     out
@@ -519,12 +548,12 @@ fn markdown(args: &OutageArgs, results: &[OutageResult]) -> String {
 
 fn csv(results: &[OutageResult]) -> String {
     let mut out = String::from(
-        "fault,mode,requests,errors,failclosed,outage_requests,outage_redis,outage_local,outage_failopen,admitted_outage,ideal_outage,admitted_total,ideal_total,outage_p50_ms,outage_p99_ms,outage_max_ms,recovery_ms\n",
+        "fault,mode,requests,errors,failclosed,outage_requests,outage_redis,outage_local,outage_failopen,admitted_outage,ideal_outage,admitted_total,ideal_total,outage_p50_ms,outage_p99_ms,outage_max_ms,recovery_ms,strays\n",
     );
     for r in results {
         let _ = writeln!(
             out,
-            "{},{},{},{},{},{},{},{},{},{},{},{},{},{:.3},{:.3},{:.3},{}",
+            "{},{},{},{},{},{},{},{},{},{},{},{},{},{:.3},{:.3},{:.3},{},{}",
             r.fault,
             r.mode,
             r.requests,
@@ -543,6 +572,7 @@ fn csv(results: &[OutageResult]) -> String {
             r.outage_latency_ms[2],
             r.recovery_ms
                 .map_or_else(String::new, |ms| format!("{ms:.1}")),
+            r.strays,
         );
     }
     out
