@@ -6,7 +6,7 @@
 //! |---|---|
 //! | `RateLimit-Limit` | the burst (bucket capacity) |
 //! | `RateLimit-Remaining` | whole tokens left |
-//! | `RateLimit-Reset` | seconds until the bucket is full again |
+//! | `RateLimit-Reset` | seconds until the full limit is available again (the bucket is full, the window's count resets, the log is empty, the estimate is 0: see [`crate::algorithm`]) |
 //! | `RateLimit-Policy` | `"<policy>";q=<burst>;w=<seconds to refill from empty>` (IETF draft-10) |
 //! | `RateLimit` | `"<policy>";r=<remaining>;t=<seconds until another such request is admitted>` (draft-10) |
 //! | `Retry-After` (429 only) | whole seconds, rounded up, at least 1 |
