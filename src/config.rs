@@ -31,7 +31,7 @@
 //! | `[[policies]]` | file only | one policy `api`: route `/api/`, burst 100, 10/s |
 //!
 //! A policy's `algorithm` (default `token_bucket`; `gcra`, `fixed_window`,
-//! `sliding_log`, `sliding_window` need backend `lua`) reads the same
+//! `sliding_window`; `sliding_log` needs backend `lua`) reads the same
 //! `burst`/`rate`/`per`: see [`crate::algorithm`].
 
 use crate::algorithm::{Algorithm, Window};
@@ -718,8 +718,8 @@ impl Config {
         Ok(out)
     }
 
-    /// What an algorithm needs: a Redis backend (the in-process store and
-    /// the racy baseline keep token buckets only), and limits its script
+    /// What an algorithm needs: a backend that has it (the log needs Redis;
+    /// the racy baseline keeps token buckets only), and limits its script
     /// computes exactly.
     fn check_algorithm(
         field: &str,
@@ -730,11 +730,18 @@ impl Config {
         if algorithm == Algorithm::TokenBucket {
             return Ok(());
         }
-        if backend != Backend::Lua {
+        let supported = match backend {
+            Backend::Lua => true,
+            // The log's state grows with traffic: Redis only.
+            Backend::Memory => algorithm != Algorithm::SlidingLog,
+            // The racy baseline exists to measure the race, on buckets.
+            Backend::Naive => false,
+        };
+        if !supported {
             return Err(invalid(
                 format!("{field}.algorithm"),
                 format!(
-                    "{} needs backend lua (the {} backend keeps token buckets only)",
+                    "{} is not available with backend {} (sliding_log needs lua; naive keeps token buckets only)",
                     algorithm.as_str(),
                     backend.as_str()
                 ),
@@ -750,6 +757,14 @@ impl Config {
                     return Err(invalid(
                         format!("{field}.burst"),
                         "burst x window (in microseconds) must not exceed 2^53 for sliding_window",
+                    ));
+                }
+                Algorithm::SlidingWindow
+                    if backend == Backend::Memory && window.limit > u64::from(u32::MAX) =>
+                {
+                    return Err(invalid(
+                        format!("{field}.burst"),
+                        "sliding_window in memory keeps two 32-bit counts: burst must be below 2^32",
                     ));
                 }
                 Algorithm::SlidingLog if window.limit > SLIDING_LOG_MAX => {

@@ -417,3 +417,27 @@ async fn a_request_the_store_itself_refuses_is_a_500_not_admitted() {
         "internal error text leaked: {body}"
     );
 }
+
+/// The in-process store runs the window algorithms too: a fixed window of
+/// 10 per 10 s, started at a window's start, answers 429 until its end.
+#[tokio::test]
+async fn a_fixed_window_policy_runs_in_memory() {
+    let config = Config::from_toml(
+        "[[policies]]\nname = \"api\"\nroute = \"/api/\"\nburst = 10\nrate = 1\nalgorithm = \"fixed_window\"\n",
+    )
+    .unwrap();
+    assert_eq!(T0 % 10_000_000, 0, "T0 starts a window");
+    let app = app(state_with_store(
+        &config,
+        Arc::new(MemoryStore::new(1000, 4)),
+        Arc::new(ManualClock::new(T0)),
+    ));
+    for i in 0..10 {
+        let (status, h, _) = send(&app, request("GET", "/api/items", &[], None)).await;
+        assert_eq!(status, StatusCode::OK, "request {i}");
+        assert_eq!(h["ratelimit-reset"], "10");
+    }
+    let (status, h, _) = send(&app, request("GET", "/api/items", &[], None)).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(h["retry-after"], "10");
+}

@@ -18,6 +18,9 @@
 //! each one promises, and where it fails, is in its module and measured by
 //! `cargo run -p loadtest -- compare`.
 //!
+//! Every algorithm runs in Redis (one Lua script each, `lua/`); all but the
+//! log also run in the in-process store, in the same 16-byte entries.
+//!
 //! Like the bucket, every function takes `now` and the stored state and
 //! returns the decision and the state to store; nothing reads a clock. A
 //! `now` behind the stored state is treated as the stored instant (no time

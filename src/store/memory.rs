@@ -205,6 +205,123 @@ impl MemoryStore {
         Ok(decision)
     }
 
+    /// Decides with the limit's algorithm: the token bucket, GCRA, the
+    /// fixed window and the sliding-window counter live here (the log, whose
+    /// state grows with traffic, needs Redis).
+    ///
+    /// Each keeps the same 16-byte entry, with `full_at` the instant its
+    /// state is the same as no state (GCRA: the TAT; fixed window: the
+    /// window's end; counter: the end of the next window), so idle sweeping
+    /// and pressure eviction work unchanged.
+    pub fn check_algorithm(
+        &self,
+        key: BucketKey,
+        limit: &Limit,
+        cost: u64,
+        now: Micros,
+        ceiling: Option<u64>,
+    ) -> Result<Decision, StoreError> {
+        use crate::algorithm::fixed_window::FixedState;
+        use crate::algorithm::gcra::GcraState;
+        use crate::algorithm::sliding_window::CounterState;
+        use crate::algorithm::{self, Algorithm, State, Window};
+        let algorithm_name = limit.algorithm().as_str();
+        let unsupported = || StoreError::UnsupportedAlgorithm {
+            backend: "memory",
+            algorithm: algorithm_name,
+        };
+        let w = Window::of(limit).window_us;
+        let (to_state, to_entry): (fn(&Entry, u64) -> State, fn(&State, u64) -> Option<Entry>) =
+            match limit.algorithm() {
+                Algorithm::TokenBucket => {
+                    return self
+                        .check_sync_within(key, limit, cost, now, ceiling.unwrap_or(u64::MAX))
+                        .map_err(StoreError::from);
+                }
+                Algorithm::SlidingLog => return Err(unsupported()),
+                // Two counts packed in the entry's 64 bits.
+                Algorithm::SlidingWindow if limit.burst() > u64::from(u32::MAX) => {
+                    return Err(unsupported());
+                }
+                Algorithm::Gcra => (
+                    |e, _| {
+                        State::Gcra(GcraState {
+                            tat: e.full_at,
+                            rem: e.tokens,
+                        })
+                    },
+                    |s, _| match s {
+                        State::Gcra(g) => Some(Entry {
+                            tokens: g.rem,
+                            full_at: g.tat,
+                        }),
+                        _ => None,
+                    },
+                ),
+                Algorithm::FixedWindow => (
+                    |e, w| {
+                        State::Fixed(FixedState {
+                            index: e.full_at / w - 1,
+                            count: e.tokens,
+                        })
+                    },
+                    |s, w| match s {
+                        State::Fixed(f) => Some(Entry {
+                            tokens: f.count,
+                            full_at: (f.index + 1) * w,
+                        }),
+                        _ => None,
+                    },
+                ),
+                Algorithm::SlidingWindow => (
+                    |e, w| {
+                        State::Counter(CounterState {
+                            index: e.full_at / w - 2,
+                            cur: e.tokens >> 32,
+                            prev: e.tokens & u64::from(u32::MAX),
+                        })
+                    },
+                    |s, w| match s {
+                        State::Counter(c) => Some(Entry {
+                            tokens: (c.cur << 32) | c.prev,
+                            full_at: (c.index + 2) * w,
+                        }),
+                        _ => None,
+                    },
+                ),
+            };
+        let slot = SlotKey::from(key);
+        let mut map = self
+            .shard(slot)
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        // An entry past its `full_at` is the same as none on a clock that
+        // does not step back; it is read as stored (the sweep drops it), so
+        // a step back into its window still finds it, as in Redis.
+        let state = map.get(&slot).map(|e| to_state(e, w));
+        let (decision, next) = algorithm::check(limit, state, cost, now)?;
+        match next.as_ref().and_then(|s| to_entry(s, w)) {
+            None => {
+                map.remove(&slot);
+            }
+            Some(entry) => {
+                if let Some(existing) = map.get_mut(&slot) {
+                    *existing = entry;
+                } else {
+                    if map.len() >= self.per_shard {
+                        let pressure = make_room(&mut map, self.per_shard, now);
+                        if pressure > 0 {
+                            self.pressure_evictions
+                                .fetch_add(pressure, Ordering::Relaxed);
+                        }
+                    }
+                    map.insert(slot, entry);
+                }
+            }
+        }
+        Ok(decision)
+    }
+
     /// Sets bucket `key` to the level that is full again `reset` after `now`
     /// (`capacity - reset × rate`, so its `full_at` is exactly `now + reset`);
     /// a zero `reset` removes it (full). How the local fallback mirrors the
@@ -318,11 +435,9 @@ impl Store for MemoryStore {
         now: Micros,
         ceiling: Option<u64>,
     ) -> BoxFuture<'_, Result<Decision, StoreError>> {
-        let result = StoreError::token_bucket_only("memory", &limit).and_then(|()| {
-            self.check_sync_within(key, &limit, cost, now, ceiling.unwrap_or(u64::MAX))
-                .map_err(StoreError::from)
-        });
-        Box::pin(std::future::ready(result))
+        Box::pin(std::future::ready(
+            self.check_algorithm(key, &limit, cost, now, ceiling),
+        ))
     }
 
     fn backend(&self) -> &'static str {
@@ -403,6 +518,49 @@ mod tests {
                 .unwrap()
                 .allowed
         );
+    }
+
+    proptest! {
+        /// GCRA, fixed window and sliding-window counter in memory decide
+        /// exactly as their pure cores, backward steps included (entries
+        /// past their `full_at` read as absent).
+        #[test]
+        fn other_algorithms_match_their_pure_cores(
+            rate in 1u64..20,
+            period_ms in 1u64..5_000,
+            burst in 1u64..50,
+            ops in prop::collection::vec((0u64..=3, -2_000_000i64..3_000_000, 0u128..3), 1..200)
+        ) {
+            use crate::algorithm::{self, Algorithm};
+            for a in [Algorithm::Gcra, Algorithm::FixedWindow, Algorithm::SlidingWindow] {
+                let limit = Limit::new(burst, rate, std::time::Duration::from_millis(period_ms))
+                    .unwrap()
+                    .with_algorithm(a);
+                let roomy = MemoryStore::new(64, 1);
+                let mut states = [None, None, None];
+                let mut now = T0 as i64;
+                for &(cost, dt, k) in &ops {
+                    now += dt;
+                    let cost = cost.min(burst);
+                    let state = &mut states[k as usize];
+                    let (expected, next) = algorithm::check(&limit, state.take(), cost, now as u64).unwrap();
+                    *state = next;
+                    let got = roomy.check_algorithm(BucketKey(k), &limit, cost, now as u64, None).unwrap();
+                    prop_assert_eq!(got, expected, "{:?} now={} cost={} key={}", a, now, cost, k);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_log_is_refused_in_memory_by_name() {
+        use crate::algorithm::Algorithm;
+        let store = MemoryStore::new(10, 1);
+        let limit = limit().with_algorithm(Algorithm::SlidingLog);
+        let err = store
+            .check_algorithm(BucketKey(1), &limit, 1, T0, None)
+            .unwrap_err();
+        assert_eq!(err.kind(), "unsupported_algorithm");
     }
 
     #[test]
