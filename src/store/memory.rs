@@ -115,6 +115,11 @@ impl Entry {
 
 type Map = HashMap<SlotKey, Entry, BuildHasherDefault<KeyBitsHasher>>;
 
+/// Reads an algorithm's state from an entry (given the window length).
+type ToState = fn(&Entry, u64) -> crate::algorithm::State;
+/// Packs an algorithm's state into an entry (`None`: another algorithm's).
+type ToEntry = fn(&crate::algorithm::State, u64) -> Option<Entry>;
+
 /// In-memory bucket store. See the module documentation.
 #[derive(Debug)]
 pub struct MemoryStore {
@@ -231,65 +236,64 @@ impl MemoryStore {
             algorithm: algorithm_name,
         };
         let w = Window::of(limit).window_us;
-        let (to_state, to_entry): (fn(&Entry, u64) -> State, fn(&State, u64) -> Option<Entry>) =
-            match limit.algorithm() {
-                Algorithm::TokenBucket => {
-                    return self
-                        .check_sync_within(key, limit, cost, now, ceiling.unwrap_or(u64::MAX))
-                        .map_err(StoreError::from);
-                }
-                Algorithm::SlidingLog => return Err(unsupported()),
-                // Two counts packed in the entry's 64 bits.
-                Algorithm::SlidingWindow if limit.burst() > u64::from(u32::MAX) => {
-                    return Err(unsupported());
-                }
-                Algorithm::Gcra => (
-                    |e, _| {
-                        State::Gcra(GcraState {
-                            tat: e.full_at,
-                            rem: e.tokens,
-                        })
-                    },
-                    |s, _| match s {
-                        State::Gcra(g) => Some(Entry {
-                            tokens: g.rem,
-                            full_at: g.tat,
-                        }),
-                        _ => None,
-                    },
-                ),
-                Algorithm::FixedWindow => (
-                    |e, w| {
-                        State::Fixed(FixedState {
-                            index: e.full_at / w - 1,
-                            count: e.tokens,
-                        })
-                    },
-                    |s, w| match s {
-                        State::Fixed(f) => Some(Entry {
-                            tokens: f.count,
-                            full_at: (f.index + 1) * w,
-                        }),
-                        _ => None,
-                    },
-                ),
-                Algorithm::SlidingWindow => (
-                    |e, w| {
-                        State::Counter(CounterState {
-                            index: e.full_at / w - 2,
-                            cur: e.tokens >> 32,
-                            prev: e.tokens & u64::from(u32::MAX),
-                        })
-                    },
-                    |s, w| match s {
-                        State::Counter(c) => Some(Entry {
-                            tokens: (c.cur << 32) | c.prev,
-                            full_at: (c.index + 2) * w,
-                        }),
-                        _ => None,
-                    },
-                ),
-            };
+        let (to_state, to_entry): (ToState, ToEntry) = match limit.algorithm() {
+            Algorithm::TokenBucket => {
+                return self
+                    .check_sync_within(key, limit, cost, now, ceiling.unwrap_or(u64::MAX))
+                    .map_err(StoreError::from);
+            }
+            Algorithm::SlidingLog => return Err(unsupported()),
+            // Two counts packed in the entry's 64 bits.
+            Algorithm::SlidingWindow if limit.burst() > u64::from(u32::MAX) => {
+                return Err(unsupported());
+            }
+            Algorithm::Gcra => (
+                |e, _| {
+                    State::Gcra(GcraState {
+                        tat: e.full_at,
+                        rem: e.tokens,
+                    })
+                },
+                |s, _| match s {
+                    State::Gcra(g) => Some(Entry {
+                        tokens: g.rem,
+                        full_at: g.tat,
+                    }),
+                    _ => None,
+                },
+            ),
+            Algorithm::FixedWindow => (
+                |e, w| {
+                    State::Fixed(FixedState {
+                        index: e.full_at / w - 1,
+                        count: e.tokens,
+                    })
+                },
+                |s, w| match s {
+                    State::Fixed(f) => Some(Entry {
+                        tokens: f.count,
+                        full_at: (f.index + 1) * w,
+                    }),
+                    _ => None,
+                },
+            ),
+            Algorithm::SlidingWindow => (
+                |e, w| {
+                    State::Counter(CounterState {
+                        index: e.full_at / w - 2,
+                        cur: e.tokens >> 32,
+                        prev: e.tokens & u64::from(u32::MAX),
+                    })
+                },
+                |s, w| match s {
+                    State::Counter(c) => Some(Entry {
+                        tokens: (c.cur << 32) | c.prev,
+                        full_at: (c.index + 2) * w,
+                    }),
+                    _ => None,
+                },
+            ),
+        };
         let slot = SlotKey::from(key);
         let mut map = self
             .shard(slot)
