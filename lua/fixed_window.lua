@@ -2,11 +2,13 @@
 -- the epoch (src/algorithm/fixed_window.rs). A differential test demands the
 -- same answers as the Rust core.
 --
--- KEYS[1]  "<window index> <count>" as two packed doubles, or absent. The
---          classic form is INCR on a key named after the window; storing
---          the index beside the count instead keeps one key per client and
---          lets a clock that steps back keep counting in the stored window
---          rather than reopen an earlier one.
+-- KEYS[1]  "<window index> <count> <window length>" as three packed
+--          doubles, or absent. The classic form is INCR on a key named after
+--          the window; storing the index beside the count instead keeps one
+--          key per client and lets a clock that steps back keep counting in
+--          the stored window rather than reopen an earlier one. A value made
+--          under another window length (the policy changed) reads as absent:
+--          its index would name a window decades away.
 -- ARGV[1]  now, microseconds since the epoch, from the caller (never TIME)
 -- ARGV[2]  cost in tokens
 -- ARGV[3]  limit: tokens per window
@@ -30,9 +32,9 @@ while (current + 1) * w <= now do current = current + 1 end
 
 local index, count = current, 0
 local raw = redis.call('GET', KEYS[1])
-if raw then
-  local si, sc = struct.unpack('<d<d', raw)
-  if si >= current then index, count = si, sc end
+if raw and #raw == 24 then
+  local si, sc, sw = struct.unpack('<d<d<d', raw)
+  if sw == w and si >= current then index, count = si, sc end
 end
 
 local allowed = 0
@@ -47,7 +49,11 @@ local reset = 0
 if count > 0 then reset = ends end
 
 if allowed == 1 and cost > 0 then
-  redis.call('SET', KEYS[1], struct.pack('<d<d', index, count), 'PX', math.ceil((ends + margin) / 1000))
+  redis.call('SET', KEYS[1], struct.pack('<d<d<d', index, count, w), 'PX', math.ceil((ends + margin) / 1000))
 end
 
-return string.format('%d %d %d %d', allowed, limit - count, retry, reset)
+-- A count above the limit (the policy was lowered) leaves nothing.
+local remaining = limit - count
+if remaining < 0 then remaining = 0 end
+
+return string.format('%d %d %d %d', allowed, remaining, retry, reset)

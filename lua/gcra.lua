@@ -25,7 +25,7 @@ local margin = tonumber(ARGV[6])
 
 local raw = redis.call('GET', KEYS[1])
 local tat, rem = now, 0
-if raw then tat, rem = struct.unpack('<d<d', raw) end
+if raw and #raw == 16 then tat, rem = struct.unpack('<d<d', raw) end
 
 -- How far the stored TAT lies ahead of now, in units (0 if behind).
 local given_ahead = 0

@@ -3,8 +3,9 @@
 -- answers as the Rust core.
 --
 -- KEYS[1]  a sorted set: one member per admitted token, scored by its
---          timestamp (members "<t>:<n>", unique because time per key only
---          moves forward and n counts up at a fixed t).
+--          timestamp, named "<t>:<n>" with n numbering the members at that
+--          same t from 1 (members at one t are trimmed together, so the
+--          numbers in use at t are always 1..k and the next is k + 1).
 -- ARGV[1]  now, microseconds since the epoch, from the caller (never TIME)
 -- ARGV[2]  cost in tokens
 -- ARGV[3]  limit: tokens in any window
@@ -37,6 +38,8 @@ local count = redis.call('ZCARD', key)
 local allowed = 0
 if count + cost <= limit then
   allowed = 1
+  local same = 0
+  if cost > 0 then same = redis.call('ZCOUNT', key, at, at) end
   local i = 0
   while i < cost do
     local args = {}
@@ -45,7 +48,7 @@ if count + cost <= limit then
       i = i + 1
       n = n + 1
       args[2 * n - 1] = at
-      args[2 * n] = string.format('%d:%d', at, count + i)
+      args[2 * n] = string.format('%d:%d', at, same + i)
     end
     redis.call('ZADD', key, unpack(args))
   end
@@ -67,4 +70,8 @@ if count > 0 then
   reset = tonumber(n[2]) + w - now
 end
 
-return string.format('%d %d %d %d', allowed, limit - count, retry, reset)
+-- More entries than the limit (the policy was lowered) leave nothing.
+local remaining = limit - count
+if remaining < 0 then remaining = 0 end
+
+return string.format('%d %d %d %d', allowed, remaining, retry, reset)

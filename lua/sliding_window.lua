@@ -3,8 +3,9 @@
 -- still covers (src/algorithm/sliding_window.rs). A differential test
 -- demands the same answers as the Rust core.
 --
--- KEYS[1]  "<window index> <count> <previous count>" as three packed
---          doubles, or absent.
+-- KEYS[1]  "<window index> <count> <previous count> <window length>" as
+--          four packed doubles, or absent (a value made under another window
+--          length, after a policy change, reads as absent).
 -- ARGV[1]  now, microseconds since the epoch, from the caller (never TIME)
 -- ARGV[2]  cost in tokens
 -- ARGV[3]  limit: tokens per window
@@ -25,12 +26,15 @@ local w = tonumber(ARGV[4])
 local margin = tonumber(ARGV[5])
 
 local raw = redis.call('GET', KEYS[1])
-local si, scur, sprev
-local at = now
-if raw then
-  si, scur, sprev = struct.unpack('<d<d<d', raw)
-  if si * w > at then at = si * w end
+local si, scur, sprev, sw
+if raw and #raw == 32 then
+  si, scur, sprev, sw = struct.unpack('<d<d<d<d', raw)
+  if sw ~= w then raw = nil end
+else
+  raw = nil
 end
+local at = now
+if raw and si * w > at then at = si * w end
 local index = math.floor(at / w)
 while index * w > at do index = index - 1 end
 while (index + 1) * w <= at do index = index + 1 end
@@ -100,7 +104,7 @@ elseif prev > 0 then
 end
 
 if allowed == 1 and cost > 0 then
-  redis.call('SET', KEYS[1], struct.pack('<d<d<d', index, cur, prev), 'PX',
+  redis.call('SET', KEYS[1], struct.pack('<d<d<d<d', index, cur, prev, w), 'PX',
     math.ceil((start + 2 * w - now + margin) / 1000))
 end
 

@@ -49,7 +49,7 @@ local margin = tonumber(ARGV[6])
 
 local raw = redis.call('GET', KEYS[1])
 local tokens, last, expires = cap, now, 0
-if raw then
+if raw and #raw == 24 then
   tokens, last, expires = struct.unpack('<d<d<d', raw)
   if tokens > cap then tokens = cap end
 end

@@ -480,3 +480,86 @@ async fn a_fixed_window_policy_speaks_the_same_headers_over_http() {
     assert_eq!(r.status(), 200);
     assert_eq!(support::header(&r, "ratelimit-remaining"), "9");
 }
+
+/// A policy changed under live keys (burst lowered or raised, so the window
+/// length changes too) neither breaks the scripts' replies nor locks a
+/// client out: every answer parses, and no wait exceeds the longer window.
+#[tokio::test]
+async fn a_changed_policy_neither_breaks_replies_nor_locks_clients_out() {
+    use ratelimiter::algorithm::Algorithm;
+    let redis = RedisServer::start();
+    let store = lua(&settings(vec![redis.url()], false)).await;
+    for algorithm in Algorithm::ALL {
+        let key = BucketKey(0xC4A9_0000 + algorithm as u128);
+        let limit = |burst| {
+            Limit::per_second(burst, 1)
+                .unwrap()
+                .with_algorithm(algorithm)
+        };
+        for _ in 0..15 {
+            assert!(
+                store
+                    .check_key(key, &limit(20), 1, T0)
+                    .await
+                    .unwrap()
+                    .allowed
+            );
+        }
+        // Lowered: the stored count is above the new limit.
+        for burst in [5, 40, 20] {
+            let d = store
+                .check_key(key, &limit(burst), 1, T0 + 1_000)
+                .await
+                .unwrap_or_else(|e| panic!("{algorithm:?} burst {burst}: {e}"));
+            assert!(d.remaining <= burst, "{algorithm:?}: {d:?}");
+            assert!(
+                d.retry_after <= Duration::from_secs(40) && d.reset <= Duration::from_secs(80),
+                "{algorithm:?} burst {burst}: {d:?}"
+            );
+            let ttl: i64 = redis
+                .cli(&["pttl", &store.key_name(algorithm, key)])
+                .trim()
+                .parse()
+                .unwrap();
+            assert!(
+                ttl <= 90_000,
+                "{algorithm:?} burst {burst}: key lives {ttl} ms"
+            );
+        }
+    }
+}
+
+/// Found by the differential test: a trim at a later instant, then a step
+/// back to the newest entry's instant, must not reuse a member name (the
+/// sorted set would silently count two tokens as one).
+#[tokio::test]
+async fn sliding_log_members_stay_unique_after_a_later_trim() {
+    use ratelimiter::algorithm::{self, Algorithm};
+    let redis = RedisServer::start();
+    let store = lua(&settings(vec![redis.url()], false)).await;
+    let limit = Limit::new(46, 15, Duration::from_micros(2_093_494))
+        .unwrap()
+        .with_algorithm(Algorithm::SlidingLog);
+    let steps: [(i64, u64); 9] = [
+        (0, 1),
+        (1_706_741, 0),
+        (-1, 0),
+        (387_980, 0),
+        (2_950_642, 1),
+        (670_860, 0),
+        (703_827, 0),
+        (-1_395_342, 3),
+        (1_690, 3),
+    ];
+    let (mut now, mut state) = (T0 as i64, None);
+    for (dt, cost) in steps {
+        now += dt;
+        let (expected, next) = algorithm::check(&limit, state.take(), cost, now as u64).unwrap();
+        state = next;
+        let got = store
+            .check_key(BucketKey(77), &limit, cost, now as u64)
+            .await
+            .unwrap();
+        assert_eq!(got, expected, "now={now} cost={cost}");
+    }
+}

@@ -23,6 +23,10 @@ pub struct FixedState {
     pub index: u64,
     /// Tokens admitted in it.
     pub count: u64,
+    /// The window length the index counts in. A state made under another
+    /// length (the policy changed) reads as none: its index would name a
+    /// window decades away.
+    pub window_us: u64,
 }
 
 /// Decide one request of `cost` at `now`; returns the decision and the
@@ -36,11 +40,14 @@ pub fn check(
     cost_fits(window, cost)?;
     let w = window.window_us;
     let current = now / w;
-    let FixedState { index, mut count } = match state {
-        Some(s) if s.index >= current => s,
+    let FixedState {
+        index, mut count, ..
+    } = match state {
+        Some(s) if s.window_us == w && s.index >= current => s,
         _ => FixedState {
             index: current,
             count: 0,
+            window_us: w,
         },
     };
     let allowed = count + cost <= window.limit;
@@ -53,14 +60,19 @@ pub fn check(
     let decision = Decision {
         allowed,
         limit: window.limit,
-        remaining: window.limit - count,
+        // A count above the limit (the policy was lowered) leaves nothing.
+        remaining: window.limit.saturating_sub(count),
         retry_after: micros(if count + cost <= window.limit { 0 } else { end }),
         reset: micros(if count == 0 { 0 } else { end }),
     };
     // Only an admission that spends writes (as the script does): otherwise
     // what was stored stays, and reads the same.
     let stored = if allowed && cost > 0 {
-        Some(FixedState { index, count })
+        Some(FixedState {
+            index,
+            count,
+            window_us: w,
+        })
     } else {
         state
     };

@@ -56,7 +56,8 @@ pub fn check(
     let decision = Decision {
         allowed,
         limit: window.limit,
-        remaining: window.limit - count,
+        // More entries than the limit (the policy was lowered) leave nothing.
+        remaining: window.limit.saturating_sub(count),
         retry_after: micros(retry),
         reset: micros(reset),
     };

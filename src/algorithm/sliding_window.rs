@@ -28,6 +28,9 @@ pub struct CounterState {
     pub cur: u64,
     /// Tokens admitted in the window before it.
     pub prev: u64,
+    /// The window length the index counts in (another length reads as no
+    /// state: see [`super::fixed_window::FixedState::window_us`]).
+    pub window_us: u64,
 }
 
 /// Decide one request of `cost` at `now`; returns the decision and the
@@ -40,6 +43,8 @@ pub fn check(
 ) -> Result<(Decision, Option<CounterState>), CostExceedsBurst> {
     cost_fits(window, cost)?;
     let (w, limit) = (window.window_us, window.limit);
+    // A state made under another window length reads as none.
+    let state = state.filter(|s| s.window_us == w);
     // A clock behind the stored window is read as that window's start.
     let at = match state {
         Some(s) => now.max(s.index * w),
@@ -93,7 +98,12 @@ pub fn check(
     // Only an admission that spends writes (as the script does); a stale
     // stored window reads the same as its advanced form.
     let stored = if allowed && cost > 0 {
-        Some(CounterState { index, cur, prev })
+        Some(CounterState {
+            index,
+            cur,
+            prev,
+            window_us: w,
+        })
     } else {
         state
     };

@@ -264,9 +264,11 @@ impl MemoryStore {
             ),
             Algorithm::FixedWindow => (
                 |e, w| {
+                    // A store lives as long as its config: one window length.
                     State::Fixed(FixedState {
                         index: e.full_at / w - 1,
                         count: e.tokens,
+                        window_us: w,
                     })
                 },
                 |s, w| match s {
@@ -283,6 +285,7 @@ impl MemoryStore {
                         index: e.full_at / w - 2,
                         cur: e.tokens >> 32,
                         prev: e.tokens & u64::from(u32::MAX),
+                        window_us: w,
                     })
                 },
                 |s, w| match s {
