@@ -576,6 +576,20 @@ impl Config {
             None => default_policies(),
             Some(list) => Self::policies(list, backend)?,
         };
+        // Every policy's local share must be a limit the service can keep.
+        for (i, p) in policies.iter().enumerate() {
+            for limit in [p.limit, p.anonymous].into_iter().flatten() {
+                if crate::failover::try_share(&limit, failover.instances, p.cost).is_err() {
+                    return Err(invalid(
+                        "failure.instances",
+                        format!(
+                            "policies[{i}]'s local share (burst / {n} at rate / {n}) is too large to keep exactly; use a shorter period",
+                            n = failover.instances
+                        ),
+                    ));
+                }
+            }
+        }
 
         Ok(Self {
             listen,

@@ -22,20 +22,23 @@
 //!
 //! # Taking over without a fresh burst
 //! Every answer from Redis also sets this instance's local bucket for the
-//! client to the same level, measured as time until full (one in-memory
-//! write beside a network round trip). When Redis goes away, the local
-//! shares start where the shared bucket was, not full: a client that had
-//! just spent its burst cannot spend another N shares of it.
+//! client (one in-memory write beside a network round trip): a bucket
+//! policy's to the same time until full, a window policy's to the same
+//! fraction of room left (a window's "reset" is when its count clears, not a
+//! refill). When Redis goes away, the local shares start where the shared
+//! state was, not full: a client that had just spent its burst cannot spend
+//! another N shares of it.
 //!
 //! # Handing back without a fresh burst
 //! When Redis returns, its bucket for a client is either refilled (it kept
 //! its data while unreachable) or absent (restarted empty), which reads as
 //! full: the client, having spent its local share, would get a second whole
 //! burst. So while a client's local bucket is not yet full again, each Redis
-//! check carries the local bucket's level, scaled to the fleet, as a ceiling
-//! ([`crate::bucket::check_within`]): Redis's bucket can hold no more than
-//! the fallback left. A local bucket refills in exactly the time the shared
-//! one would, so after that the ceiling has nothing left to say.
+//! check carries a ceiling ([`crate::bucket::check_within`]): the shared
+//! level that would be full again when the local bucket is. For a client
+//! that only ever mirrored Redis that is Redis's own level (so it never
+//! binds); for one that spent its local share it is what the fallback left.
+//! Once the local bucket is full the ceiling has nothing left to say.
 //!
 //! The local share is a token bucket whatever the policy's algorithm, and
 //! the ceiling is a bucket level, so only token-bucket policies are handed
@@ -47,7 +50,7 @@ mod breaker;
 pub use breaker::{Breaker, BreakerState, Permit, Transition};
 
 use crate::algorithm::Algorithm;
-use crate::bucket::{Decision, Limit};
+use crate::bucket::{Decision, Limit, LimitError};
 use crate::clock::Micros;
 use crate::metrics as m;
 use crate::store::{BucketKey, MemoryStore, Store, StoreError};
@@ -158,18 +161,36 @@ pub enum FailoverError {
 
 /// The local share of `limit` among `instances` (see the module docs).
 pub fn share(limit: &Limit, instances: u64, cost: u64) -> Limit {
+    // Config validation builds every policy's share at start-up, so this
+    // cannot fail at run time; the whole limit is the fallback only for a
+    // limit built without that validation.
+    try_share(limit, instances, cost).unwrap_or(limit.with_algorithm(Algorithm::TokenBucket))
+}
+
+/// [`share`], or why its limit cannot be represented (`burst × period × N`
+/// beyond what the integer arithmetic keeps exact).
+pub fn try_share(limit: &Limit, instances: u64, cost: u64) -> Result<Limit, LimitError> {
     // Whatever the policy's algorithm, the local share is a token bucket:
     // the in-process store keeps that one, and its mirror and ceiling are
     // bucket levels.
-    let limit = &limit.with_algorithm(Algorithm::TokenBucket);
+    let limit = limit.with_algorithm(Algorithm::TokenBucket);
     if instances <= 1 {
-        return *limit;
+        return Ok(limit);
     }
+    // At least one token (or the cost) each: with a burst below N the fleet
+    // can pass up to N of them between its local shares.
     let burst = (limit.burst() / instances).max(cost).max(1);
     // rate / (period × N), in the limit's own units: period_us is the
     // reduced period, rate_units_per_us the reduced rate.
-    let period = Duration::from_micros(limit.units_per_token().saturating_mul(instances));
-    Limit::new(burst, limit.rate_units_per_us(), period).unwrap_or(*limit)
+    let period_us = limit
+        .units_per_token()
+        .checked_mul(instances)
+        .ok_or(LimitError::TooLarge)?;
+    Limit::new(
+        burst,
+        limit.rate_units_per_us(),
+        Duration::from_micros(period_us),
+    )
 }
 
 /// A store wrapped in a deadline, a breaker and failure modes.
@@ -189,6 +210,10 @@ struct Guard {
     /// Until when some local bucket may be below full: ceilings are looked
     /// up only before this instant, so the normal path costs one atomic load.
     local_until: AtomicU64,
+    /// The breaker's clock: monotonic, so a wall clock stepping back cannot
+    /// hold it open (bucket state uses the wall clock `now`, shared with
+    /// other instances; the breaker is this process's alone).
+    epoch: tokio::time::Instant,
 }
 
 impl Failover {
@@ -212,6 +237,7 @@ impl Failover {
                 settings,
                 local: MemoryStore::new(local_keys, local_shards),
                 local_until: AtomicU64::new(0),
+                epoch: tokio::time::Instant::now(),
             }
         });
         Self {
@@ -267,7 +293,7 @@ impl Failover {
                 source: self.source,
             });
         };
-        let permit = guard.permit(now);
+        let permit = guard.permit(guard.monotonic());
         if permit != Permit::Skip {
             let ceiling = guard.ceiling(key, &limit, cost, now);
             let call = self.primary.check_within(key, limit, cost, now, ceiling);
@@ -291,13 +317,19 @@ impl Failover {
             metrics::counter!(m::STORE_ERRORS_TOTAL, "backend" => self.primary.backend(), "kind" => kind)
                 .increment(1);
             tracing::debug!(kind, ?permit, "redis check failed");
-            guard.report(|b| b.failure(permit, now));
+            let at = guard.monotonic();
+            guard.report(|b| b.failure(permit, at));
         }
         guard.fall_back(key, limit, cost, now, mode)
     }
 }
 
 impl Guard {
+    /// Microseconds on the breaker's monotonic clock.
+    fn monotonic(&self) -> Micros {
+        u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
+    }
+
     fn permit(&self, now: Micros) -> Permit {
         let (permit, transition) = self
             .breaker
@@ -321,26 +353,41 @@ impl Guard {
     /// so that losing Redis does not hand every client a fresh local burst.
     fn mirror(&self, key: BucketKey, limit: &Limit, cost: u64, decision: &Decision, now: Micros) {
         let share = share(limit, self.settings.instances, cost);
-        let reset = u64::try_from(decision.reset.as_micros()).unwrap_or(u64::MAX);
-        self.local.set_reset(key, &share, reset, now);
+        match limit.algorithm() {
+            // A bucket: the same time until full.
+            Algorithm::TokenBucket | Algorithm::Gcra => {
+                let reset = u64::try_from(decision.reset.as_micros()).unwrap_or(u64::MAX);
+                self.local.set_reset(key, &share, reset, now);
+            }
+            // A window's "reset" is when its count clears, not a refill:
+            // mirror the room left instead, as the same fraction of the share.
+            Algorithm::FixedWindow | Algorithm::SlidingLog | Algorithm::SlidingWindow => {
+                let room = u128::from(decision.remaining.min(decision.limit))
+                    * u128::from(share.capacity_units())
+                    / u128::from(decision.limit.max(1));
+                self.local.set_level(key, &share, room as u64, now);
+            }
+        }
     }
 
-    /// The ceiling for the shared bucket while the local one refills.
+    /// The ceiling for a shared token bucket while the local one refills:
+    /// the level that is full again when the local bucket is. Mirroring
+    /// sets the local bucket by the same time to full, so for a client that
+    /// never fell back the ceiling is the shared level itself (less one
+    /// microsecond of refill, so it cannot bind by rounding), and for one
+    /// that spent its local share it is what the fallback left.
     fn ceiling(&self, key: BucketKey, limit: &Limit, cost: u64, now: Micros) -> Option<u64> {
-        if now >= self.local_until.load(Ordering::Relaxed) {
+        if limit.algorithm() != Algorithm::TokenBucket
+            || now >= self.local_until.load(Ordering::Relaxed)
+        {
             return None;
         }
         let share = share(limit, self.settings.instances, cost);
         let level = self.local.level(key, &share, now)?;
-        // The local bucket's fill ratio, applied to the shared capacity.
-        // Rounded up, plus what mirroring can round away (under one
-        // microsecond of the share's refill): a ceiling must never bind on a
-        // bucket merely mirrored from Redis, or each round trip through it
-        // would shave a little more off the shared bucket.
-        let cap = u128::from(limit.capacity_units());
-        let level = u128::from(level) + u128::from(share.rate_units_per_us()) + 1;
-        let scaled = (level * cap).div_ceil(u128::from(share.capacity_units()));
-        Some(scaled.min(cap) as u64)
+        let to_full = (share.capacity_units() - level.min(share.capacity_units()))
+            / share.rate_units_per_us();
+        let deficit = u128::from(to_full.saturating_sub(1)) * u128::from(limit.rate_units_per_us());
+        Some(u128::from(limit.capacity_units()).saturating_sub(deficit) as u64)
     }
 
     fn fall_back(
@@ -362,7 +409,7 @@ impl Guard {
                     .breaker
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
-                    .wait(now);
+                    .wait(self.monotonic());
                 Err(FailoverError::Unavailable {
                     retry_after: wait.max(Duration::from_secs(1)),
                 })

@@ -1,8 +1,10 @@
 //! The failure policy's logic, against a store that can be switched down,
 //! hung or restarted empty. (Real Redis faults, with real processes, are in
-//! `tests/failover.rs` and `cargo run -p loadtest -- outage`.)
+//! `cargo run -p loadtest -- outage`, asserted by `loadtest/tests/commands.rs`,
+//! and start-up without Redis in `tests/process.rs`.)
 
 use super::*;
+use crate::algorithm::Algorithm;
 use crate::store::BoxFuture;
 use std::sync::atomic::AtomicU32;
 
@@ -172,7 +174,9 @@ async fn the_breaker_stops_calling_a_failing_store_then_probes_once() {
     }
     assert_eq!(started.elapsed(), Duration::ZERO);
     assert_eq!(store.calls(), 3);
-    // After the cooldown one probe goes out; it finds the store back.
+    // After the cooldown (on the breaker's monotonic clock) one probe goes
+    // out; it finds the store back.
+    tokio::time::advance(Duration::from_millis(500)).await;
     store.set(Health::Up);
     let c = f
         .check(BucketKey(1), limit, 1, T0 + SEC / 2, FailureMode::Local)
@@ -241,6 +245,7 @@ async fn redis_returning_grants_no_fresh_burst() {
             store.restart();
         }
         // The breaker opened; the first request after the cooldown probes.
+        tokio::time::advance(Duration::from_secs(1)).await;
         let back = T0 + 2 * SEC;
         let admitted = burst(&f, limit, 40, back, local).await;
         assert_eq!(f.breaker_state(), BreakerState::Closed);
@@ -270,4 +275,84 @@ async fn an_in_process_primary_is_used_as_is() {
             .await,
         Err(FailoverError::Store(StoreError::CostExceedsBurst(_)))
     ));
+}
+
+/// Window algorithms mirror the room their window has left, not their
+/// "reset" (which for them is when the count clears): losing Redis neither
+/// hands out a fresh local share nor shuts the client out.
+#[tokio::test(start_paused = true)]
+async fn a_window_policy_falls_back_to_the_room_it_had() {
+    for algorithm in [Algorithm::FixedWindow, Algorithm::SlidingWindow] {
+        let store = Switch::new();
+        let f = failover(&store, 1);
+        let limit = Limit::per_second(100, 10)
+            .unwrap()
+            .with_algorithm(algorithm);
+        let local = FailureMode::Local;
+        assert_eq!(burst(&f, limit, 40, T0, local).await, 40, "{algorithm:?}");
+        store.set(Health::Refusing);
+        // 60 of 100 were left; the local share (a bucket) starts there.
+        assert_eq!(
+            burst(&f, limit, 100, T0 + 1, local).await,
+            60,
+            "{algorithm:?}"
+        );
+    }
+}
+
+/// A ceiling set off by another client's fallback never squeezes a client
+/// that Redis kept deciding, even when the share is not an exact 1/N (10
+/// tokens over 3 instances: shares of 3).
+#[tokio::test(start_paused = true)]
+async fn the_ceiling_spares_clients_that_never_fell_back() {
+    let store = Switch::new();
+    let f = failover(&store, 3);
+    let limit = Limit::per_second(10, 1).unwrap();
+    let local = FailureMode::Local;
+    // The victim spends half its burst through Redis.
+    assert_eq!(burst(&f, limit, 5, T0, local).await, 5);
+    // Another client meets a refusing Redis once: the ceiling is now live.
+    store.set(Health::Refusing);
+    let c = f
+        .check(BucketKey(2), limit, 1, T0 + 1, local)
+        .await
+        .unwrap();
+    assert_eq!(c.source, Source::Local);
+    store.set(Health::Up);
+    // The victim, still decided by Redis, spends its refill (one per
+    // second) and keeps the other half of its bucket.
+    for second in 1..=9 {
+        let c = f
+            .check(BucketKey(7), limit, 1, T0 + second * SEC, local)
+            .await
+            .unwrap();
+        assert_eq!(c.source, Source::Redis);
+        let d = c.decision.unwrap();
+        assert!(d.allowed, "second {second}");
+        assert_eq!(d.remaining, 5, "second {second}");
+    }
+}
+
+/// The breaker keeps its own monotonic time: a wall clock stepping back an
+/// hour while it is open does not keep Redis bypassed for that hour.
+#[tokio::test(start_paused = true)]
+async fn the_breaker_ignores_wall_clock_steps() {
+    let store = Switch::new();
+    let f = failover(&store, 1);
+    let limit = Limit::per_second(1000, 1).unwrap();
+    store.set(Health::Refusing);
+    for _ in 0..3 {
+        f.check(BucketKey(1), limit, 1, T0, FailureMode::Local)
+            .await
+            .unwrap();
+    }
+    assert_eq!(f.breaker_state(), BreakerState::Open);
+    store.set(Health::Up);
+    tokio::time::advance(Duration::from_millis(500)).await;
+    let c = f
+        .check(BucketKey(1), limit, 1, T0 - 3600 * SEC, FailureMode::Local)
+        .await
+        .unwrap();
+    assert_eq!(c.source, Source::Redis);
+    assert_eq!(f.breaker_state(), BreakerState::Closed);
 }

@@ -331,22 +331,30 @@ impl MemoryStore {
 
     /// Sets bucket `key` to the level that is full again `reset` after `now`
     /// (`capacity - reset × rate`, so its `full_at` is exactly `now + reset`);
-    /// a zero `reset` removes it (full). How the local fallback mirrors the
-    /// shared bucket: on losing Redis it starts where Redis left off.
+    /// a zero `reset` removes it (full). How the local fallback mirrors a
+    /// shared token bucket: on losing Redis it starts where Redis left off.
     pub fn set_reset(&self, key: BucketKey, limit: &Limit, reset_us: u64, now: Micros) {
+        let cap = limit.capacity_units();
+        let tokens = cap - reset_us.saturating_mul(limit.rate_units_per_us()).min(cap);
+        self.set_level(key, limit, tokens, now);
+    }
+
+    /// Sets bucket `key` to hold `tokens` units at `now` (full: no entry).
+    pub fn set_level(&self, key: BucketKey, limit: &Limit, tokens: u64, now: Micros) {
         let key = SlotKey::from(key);
         let mut map = self
             .shard(key)
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        if reset_us == 0 {
+        let cap = limit.capacity_units();
+        if tokens >= cap {
             map.remove(&key);
             return;
         }
-        let cap = limit.capacity_units();
+        let rate = limit.rate_units_per_us();
         let entry = Entry {
-            tokens: cap - reset_us.saturating_mul(limit.rate_units_per_us()).min(cap),
-            full_at: now.saturating_add(reset_us),
+            tokens,
+            full_at: now.saturating_add((cap - tokens).div_ceil(rate)),
         };
         if let Some(slot) = map.get_mut(&key) {
             *slot = entry;
