@@ -16,7 +16,9 @@
 -- when the log is empty again. Cost: trimming is O(log n + expired) (each
 -- entry is trimmed once); the rest O(log n) per token; memory one member per
 -- token admitted in the last window. A now older than the newest entry is
--- read as that entry's instant.
+-- read as that entry's instant. The key's TTL (W + margin) counts from the
+-- caller's now: instances' clocks must agree within the margin, as for the
+-- token bucket.
 
 local now = tonumber(ARGV[1])
 local cost = tonumber(ARGV[2])
