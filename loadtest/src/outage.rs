@@ -284,7 +284,7 @@ async fn drive(
 }
 
 /// Progress on stderr, with wall-clock times to line up with instance logs.
-fn tracing_free_log(fault: Fault, mode: &str, from: Duration, to: Duration) {
+fn report_progress(fault: Fault, mode: &str, from: Duration, to: Duration) {
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64());
@@ -381,7 +381,7 @@ async fn scenario(
             Fault::Blackhole => proxy.as_ref().context("proxy")?.set_blackhole(false),
         }
         let restored = Instant::now();
-        tracing_free_log(fault, mode, injected - start, restored - start);
+        report_progress(fault, mode, injected - start, restored - start);
         anyhow::Ok((injected - start, restored - start))
     };
     let (samples, phases) = tokio::join!(load, control);

@@ -1,6 +1,6 @@
 //! Decides in `call`: pass through with headers, or answer 429/400/401/503.
 
-use crate::headers::{PROBLEM_JSON, Problem, rate_limit_headers};
+use crate::headers::{PROBLEM_JSON, Problem, ceil_secs, rate_limit_headers};
 use crate::identity::{IdentityError, KeyKind};
 use crate::policy::{Limiter, Outcome};
 use axum::body::Body;
@@ -108,13 +108,7 @@ where
                     // Fail closed: 503, not 429, because the client is not
                     // at fault; Retry-After is the breaker's next probe.
                     let mut extra = HeaderMap::new();
-                    extra.insert(
-                        header::RETRY_AFTER,
-                        retry_after
-                            .as_secs()
-                            .saturating_add(u64::from(retry_after.subsec_nanos() > 0))
-                            .into(),
-                    );
+                    extra.insert(header::RETRY_AFTER, ceil_secs(retry_after).into());
                     let problem = Problem::new(
                         "limiter-unavailable",
                         "Service Unavailable",
