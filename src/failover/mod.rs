@@ -307,8 +307,10 @@ impl Failover {
                         source: self.source,
                     });
                 }
-                // The request itself is at fault, not the store.
+                // The request itself is at fault, not the store (which
+                // answered, so a probe has its answer).
                 Ok(Err(e)) if e.is_request_error() => {
+                    guard.report(|b| b.success(permit));
                     return Err(FailoverError::Store(e));
                 }
                 Ok(Err(e)) => e.kind(),
