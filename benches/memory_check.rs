@@ -27,9 +27,9 @@ use governor::middleware::{NoOpMiddleware, StateInformationMiddleware};
 use governor::nanos::Nanos;
 use governor::state::keyed::DefaultKeyedStateStore;
 use governor::{Quota, RateLimiter};
-use ratelimiter::bucket::Limit;
+use ratelimiter::algorithm::Limit;
 use ratelimiter::clock::{Clock, FastClock, SystemClock};
-use ratelimiter::store::{BucketKey, MemoryStore};
+use ratelimiter::store::{BucketKey, Check, MemoryStore};
 use std::hint::black_box;
 use std::num::NonZeroU32;
 use std::time::Duration;
@@ -76,18 +76,18 @@ fn bench_keys(group: &mut BenchmarkGroup<'_, WallTime>, n: usize) {
     let store = MemoryStore::new(MAX_KEYS, SHARDS);
     let clock = FastClock::default();
     cycle(group, "memory_store", &store_keys, |key| {
-        black_box(store.check_sync(key, &limit, 1, clock.now())).ok();
+        black_box(store.decide(&Check::new(key, limit, 1, clock.now()))).ok();
     });
 
     let store = MemoryStore::new(MAX_KEYS, SHARDS);
     cycle(group, "memory_store_system_clock", &store_keys, |key| {
-        black_box(store.check_sync(key, &limit, 1, SystemClock.now())).ok();
+        black_box(store.decide(&Check::new(key, limit, 1, SystemClock.now()))).ok();
     });
 
     let store = MemoryStore::new(MAX_KEYS, SHARDS);
     let now = SystemClock.now();
     cycle(group, "memory_store_fixed_now", &store_keys, |key| {
-        black_box(store.check_sync(key, &limit, 1, black_box(now))).ok();
+        black_box(store.decide(&Check::new(key, limit, 1, black_box(now)))).ok();
     });
 
     let quota = Quota::per_second(NonZeroU32::new(PER_SECOND).expect("nonzero"))

@@ -13,10 +13,11 @@
 //! Policies match route *templates* (`MatchedPath`), so `/api/items/7` and
 //! `/api/items/8` share the policy and the metric label `/api/items/{id}`.
 
-use crate::failover::FailureMode;
-use crate::headers::{PROBLEM_JSON, Problem};
-use crate::limit::RateLimitLayer;
-use crate::policy::Limiter;
+use crate::failover::{BreakerHandle, BreakerState};
+use crate::headers::Problem;
+use crate::limiter::Limiter;
+use crate::middleware::RateLimitLayer;
+use crate::store::{FailureMode, Store};
 use axum::extract::{Path, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -30,11 +31,25 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// `X-Instance-Id`: which instance answered (handy behind a balancer).
 pub const INSTANCE_ID_HEADER: &str = "x-instance-id";
 
+/// What `/readyz` asks: the store stack (can it decide right now?), its
+/// breaker if it has one, and the failure mode in force by default.
+#[derive(Debug, Clone)]
+pub struct Health {
+    /// The store stack the limiter decides through.
+    pub store: Arc<dyn Store>,
+    /// The stack's circuit breaker (`None`: an in-process store has none).
+    pub breaker: Option<BreakerHandle>,
+    /// The failure mode of policies that do not set their own.
+    pub failure_mode: FailureMode,
+}
+
 /// What handlers share.
 #[derive(Debug, Clone)]
 pub struct AppState {
     /// The limiter applied to `/api/` routes.
     pub limiter: Arc<Limiter>,
+    /// What `/readyz` reports.
+    pub health: Health,
     /// Renders `/metrics`.
     pub metrics: PrometheusHandle,
     /// This instance's name.
@@ -44,9 +59,15 @@ pub struct AppState {
 
 impl AppState {
     /// State for one instance.
-    pub fn new(limiter: Arc<Limiter>, metrics: PrometheusHandle, instance_id: &str) -> Self {
+    pub fn new(
+        limiter: Arc<Limiter>,
+        health: Health,
+        metrics: PrometheusHandle,
+        instance_id: &str,
+    ) -> Self {
         Self {
             limiter,
+            health,
             metrics,
             instance_id: Arc::from(instance_id),
             orders: Arc::new(AtomicU64::new(0)),
@@ -84,8 +105,7 @@ async fn list_items() -> Json<&'static [Item]> {
 }
 
 fn problem(status: StatusCode, slug: &str, title: &'static str, detail: String) -> Response {
-    let body = Problem::new(slug, title, status.as_u16(), detail).to_json();
-    (status, [(header::CONTENT_TYPE, PROBLEM_JSON)], body).into_response()
+    Problem::new(slug, title, status.as_u16(), detail).into_response()
 }
 
 async fn get_item(Path(id): Path<u32>) -> Response {
@@ -155,15 +175,19 @@ async fn healthz() -> &'static str {
 const READY_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(500);
 
 async fn readyz(State(state): State<AppState>) -> Response {
-    let limiter = &state.limiter;
-    let backend = limiter.backend();
-    let breaker = limiter.failover().breaker_state().as_str();
-    let error = match tokio::time::timeout(READY_TIMEOUT, limiter.ready()).await {
+    let health = &state.health;
+    let backend = health.store.backend();
+    let breaker = health
+        .breaker
+        .as_ref()
+        .map_or(BreakerState::Closed, BreakerHandle::state)
+        .as_str();
+    let error = match tokio::time::timeout(READY_TIMEOUT, health.store.ready()).await {
         Ok(Ok(())) => None,
         Ok(Err(e)) => Some(e.kind()),
         Err(_) => Some("timeout"),
     };
-    let mode = limiter.failure_mode();
+    let mode = health.failure_mode;
     let Some(error) = error else {
         return Json(serde_json::json!({
             "status": "ready", "backend": backend, "breaker": breaker,

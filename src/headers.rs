@@ -14,8 +14,9 @@
 //! Seconds are rounded **up**: a client that waits the advertised time is
 //! admitted; rounding down would invite a retry that is denied again.
 
-use crate::bucket::{Decision, Limit};
-use http::{HeaderMap, HeaderName, HeaderValue};
+use crate::algorithm::{Decision, Limit};
+use axum::response::{IntoResponse, Response};
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use std::time::Duration;
 
 /// `RateLimit-Limit`.
@@ -130,6 +131,21 @@ impl Problem {
     pub fn to_json(&self) -> String {
         // Serializing a struct of strings and integers cannot fail.
         serde_json::to_string(self).unwrap_or_default()
+    }
+}
+
+/// The problem as a response: its status, `application/problem+json`, and
+/// the document as the body. Every error this service answers goes
+/// through here.
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        (
+            status,
+            [(header::CONTENT_TYPE, PROBLEM_JSON)],
+            self.to_json(),
+        )
+            .into_response()
     }
 }
 

@@ -19,7 +19,9 @@
 //! a Redis dump or a log of keys never holds a credential or an address.
 //! Malformed headers are an error (400), never a panic and never a bypass.
 
-use crate::store::BucketKey;
+pub use crate::key::KeyKind;
+
+use crate::key::BucketKey;
 use http::HeaderMap;
 use ipnet::IpNet;
 use sha2::{Digest, Sha256};
@@ -73,28 +75,6 @@ impl IdentityError {
             IdentityError::ForwardedForTooLong => "forwarded_for_too_long",
             IdentityError::ForwardedForInvalid => "forwarded_for_invalid",
             IdentityError::NoPeerAddress => "no_peer_address",
-        }
-    }
-}
-
-/// How a request was identified; also a metric label.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KeyKind {
-    /// A configured API key.
-    ApiKey,
-    /// No API key: the client address.
-    Ip,
-    /// An API key that is not configured: limited by address, answered 401.
-    UnknownApiKey,
-}
-
-impl KeyKind {
-    /// The metric label.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            KeyKind::ApiKey => "api_key",
-            KeyKind::Ip => "ip",
-            KeyKind::UnknownApiKey => "unknown_api_key",
         }
     }
 }

@@ -1,35 +1,100 @@
-//! Bind, serve, shut down gracefully; and build an instance from config.
+//! Wiring and serving: the one place an instance is assembled from its
+//! config (the store stack, the limiter, the handlers' state), then bound,
+//! served and shut down gracefully.
 
-use crate::api::{AppState, app};
+use crate::api::{AppState, Health, app};
 use crate::clock::{Clock, FastClock};
-use crate::config::{Backend, Config};
+use crate::config::Config;
+use crate::failover::{BreakerHandle, Deadline, Failover, LocalShare};
+use crate::identity::{ApiKeys, Identifier, KeyHasher};
+use crate::limiter::Limiter;
 use crate::metrics as m;
-use crate::policy::Limiter;
+use crate::policy::Policies;
 use crate::store::redis::RedisConnection;
-use crate::store::{LuaStore, MemoryStore, NaiveStore, Store};
+use crate::store::{Backend, Counted, LuaStore, MemoryStore, NaiveStore, Store};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
 
-/// Builds the store the config names. Standalone Redis connects lazily (the
-/// service starts while Redis is away); a cluster must answer now.
-pub async fn build_store(config: &Config) -> Result<Arc<dyn Store>, redis::RedisError> {
+/// The store stack an instance decides through, and a handle on its
+/// breaker (for `/readyz`) if it has one.
+#[derive(Debug, Clone)]
+pub struct Stack {
+    /// The outermost layer.
+    pub store: Arc<dyn Store>,
+    /// The failure policy's breaker (`None` for an in-process store).
+    pub breaker: Option<BreakerHandle>,
+}
+
+/// The stack around an in-process store: its errors counted. There is
+/// nothing to fail over from.
+pub fn in_process_stack(store: MemoryStore) -> Stack {
+    Stack {
+        store: Arc::new(Counted::new(store)),
+        breaker: None,
+    }
+}
+
+/// The stack around a shared store (Redis, or a test's stand-in), from the
+/// inside out: a deadline on every call, its errors counted, then the
+/// breaker and the failure modes with this instance's local share.
+pub fn shared_stack<S: Store>(store: S, config: &Config) -> Stack {
+    let settings = &config.failover;
+    let local = LocalShare::new(
+        settings.instances,
+        config.memory.max_keys,
+        config.memory.shards,
+    );
+    let failover = Failover::new(
+        Counted::new(Deadline::new(store, settings.deadline)),
+        settings,
+        local,
+    );
+    let breaker = failover.breaker();
+    Stack {
+        store: Arc::new(failover),
+        breaker: Some(breaker),
+    }
+}
+
+/// Builds the stack the config names. Redis connects lazily (the service
+/// starts while Redis is away); only invalid settings fail here.
+pub async fn build_stack(config: &Config) -> Result<Stack, redis::RedisError> {
     Ok(match config.backend {
-        Backend::Memory => Arc::new(MemoryStore::new(
+        Backend::Memory => in_process_stack(MemoryStore::new(
             config.memory.max_keys,
             config.memory.shards,
         )),
         Backend::Naive => {
             let connection = RedisConnection::connect(&config.redis).await?;
-            Arc::new(NaiveStore::new(connection, &config.redis))
+            shared_stack(NaiveStore::new(connection, &config.redis), config)
         }
         Backend::Lua => {
             let connection = RedisConnection::connect(&config.redis).await?;
-            Arc::new(LuaStore::new(connection, &config.redis))
+            shared_stack(LuaStore::new(connection, &config.redis), config)
         }
     })
+}
+
+/// The limiter the config describes, deciding through `store`.
+pub fn build_limiter(config: &Config, store: Arc<dyn Store>, clock: Arc<dyn Clock>) -> Limiter {
+    let api_keys = ApiKeys::from_digests(config.api_keys.iter().map(|k| (k.id.clone(), k.sha256)));
+    let secret = config.key_secret.unwrap_or_else(|| {
+        let mut secret = [0u8; 16];
+        // Without OS randomness the process cannot keep identities
+        // private; refusing to start is better than a guessable key.
+        getrandom::fill(&mut secret).expect("the OS random source is unavailable");
+        secret
+    });
+    Limiter::new(
+        Policies::new(&config.policies, config.failover.mode),
+        Identifier::new(api_keys, config.trusted_proxies.clone(), config.ipv6_prefix),
+        KeyHasher::new(secret),
+        store,
+        clock,
+    )
 }
 
 /// Builds the shared state of one instance from validated config.
@@ -37,17 +102,22 @@ pub async fn build_state(
     config: &Config,
     clock: Arc<dyn Clock>,
 ) -> Result<AppState, redis::RedisError> {
-    let store = build_store(config).await?;
-    Ok(state_with_store(config, store, clock))
+    let stack = build_stack(config).await?;
+    Ok(state_with_stack(config, stack, clock))
 }
 
-/// The shared state of one instance around a given store.
-pub fn state_with_store(config: &Config, store: Arc<dyn Store>, clock: Arc<dyn Clock>) -> AppState {
+/// The shared state of one instance around a given stack.
+pub fn state_with_stack(config: &Config, stack: Stack, clock: Arc<dyn Clock>) -> AppState {
     let handle = m::install();
     metrics::gauge!(m::INSTANCE_INFO, "instance" => config.instance_id.clone(), "backend" => config.backend.as_str())
         .set(1.0);
-    let limiter = Arc::new(Limiter::new(config, store, clock));
-    AppState::new(limiter, handle, &config.instance_id)
+    let limiter = Arc::new(build_limiter(config, Arc::clone(&stack.store), clock));
+    let health = Health {
+        store: stack.store,
+        breaker: stack.breaker,
+        failure_mode: config.failover.mode,
+    };
+    AppState::new(limiter, health, handle, &config.instance_id)
 }
 
 /// Why an instance could not run.
@@ -161,4 +231,31 @@ pub async fn shutdown_signal() {
         () = terminate => {},
     }
     tracing::info!("shutdown signal received; finishing requests in flight");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithm::Limit;
+    use crate::key::BucketKey;
+    use crate::store::{Check, FailureMode, Source, StoreError};
+
+    /// With the memory backend, memory decides: no failure policy, no
+    /// share, whatever the policy's failure mode.
+    #[tokio::test]
+    async fn an_in_process_primary_is_used_as_is() {
+        let stack = in_process_stack(MemoryStore::new(10, 1));
+        assert!(stack.breaker.is_none());
+        let limit = Limit::per_second(5, 1).unwrap();
+        let check = Check::new(BucketKey(1), limit, 1, 1_800_000_000_000_000)
+            .on_failure(FailureMode::Closed);
+        let c = stack.store.check(check).await.unwrap();
+        assert_eq!(c.source, Source::Memory);
+        assert_eq!(c.limit, limit, "no share: memory is not a fallback");
+        let too_costly = Check { cost: 6, ..check };
+        assert!(matches!(
+            stack.store.check(too_costly).await,
+            Err(StoreError::CostExceedsBurst(_))
+        ));
+    }
 }

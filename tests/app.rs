@@ -4,11 +4,12 @@ use axum::body::Body;
 use axum::extract::ConnectInfo;
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
+use ratelimiter::algorithm::CostExceedsBurst;
 use ratelimiter::api::app;
 use ratelimiter::clock::ManualClock;
 use ratelimiter::config::Config;
-use ratelimiter::server::state_with_store;
-use ratelimiter::store::MemoryStore;
+use ratelimiter::server::{in_process_stack, shared_stack, state_with_stack};
+use ratelimiter::store::{BoxFuture, Check, Checked, MemoryStore, Store, StoreError};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tower::ServiceExt;
@@ -19,10 +20,10 @@ fn example_app() -> axum::Router {
     let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/example.toml"))
         .unwrap();
     let config = Config::from_toml(&text).unwrap();
-    let store = Arc::new(MemoryStore::new(1000, 4));
-    app(state_with_store(
+    let stack = in_process_stack(MemoryStore::new(1000, 4));
+    app(state_with_stack(
         &config,
-        store,
+        stack,
         Arc::new(ManualClock::new(T0)),
     ))
 }
@@ -263,28 +264,22 @@ struct BrokenStore {
     config_error: bool,
 }
 
-impl ratelimiter::store::Store for BrokenStore {
-    fn check_within(
-        &self,
-        _key: ratelimiter::store::BucketKey,
-        limit: ratelimiter::bucket::Limit,
-        cost: u64,
-        _now: u64,
-        _ceiling: Option<u64>,
-    ) -> ratelimiter::store::BoxFuture<
-        '_,
-        Result<ratelimiter::bucket::Decision, ratelimiter::store::StoreError>,
-    > {
+fn refused() -> StoreError {
+    StoreError::Redis(redis::RedisError::from(std::io::Error::from(
+        std::io::ErrorKind::ConnectionRefused,
+    )))
+}
+
+impl Store for BrokenStore {
+    fn check(&self, check: Check) -> BoxFuture<'_, Result<Checked, StoreError>> {
         let error = if self.config_error {
-            ratelimiter::bucket::CostExceedsBurst {
-                cost,
-                burst: limit.burst(),
+            CostExceedsBurst {
+                cost: check.cost,
+                burst: check.limit.burst(),
             }
             .into()
         } else {
-            ratelimiter::store::StoreError::Redis(redis::RedisError::from(std::io::Error::from(
-                std::io::ErrorKind::ConnectionRefused,
-            )))
+            refused()
         };
         Box::pin(std::future::ready(Err(error)))
     }
@@ -293,28 +288,20 @@ impl ratelimiter::store::Store for BrokenStore {
         "broken"
     }
 
-    fn ready(
-        &self,
-    ) -> ratelimiter::store::BoxFuture<'_, Result<(), ratelimiter::store::StoreError>> {
-        Box::pin(std::future::ready(Err(
-            ratelimiter::store::StoreError::Redis(redis::RedisError::from(std::io::Error::from(
-                std::io::ErrorKind::ConnectionRefused,
-            ))),
-        )))
+    fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(std::future::ready(Err(refused())))
     }
 }
 
+/// The app with the stack `server.rs` builds around a shared store, on a
+/// broken one.
 fn broken_app(toml: &str, config_error: bool) -> axum::Router {
     let config = Config::from_toml(toml).unwrap();
-    let limiter = ratelimiter::policy::Limiter::new(
+    let stack = shared_stack(BrokenStore { config_error }, &config);
+    app(state_with_stack(
         &config,
-        Arc::new(BrokenStore { config_error }),
+        stack,
         Arc::new(ManualClock::new(T0)),
-    );
-    app(ratelimiter::api::AppState::new(
-        Arc::new(limiter),
-        ratelimiter::metrics::install(),
-        "broken-1",
     ))
 }
 
@@ -427,9 +414,9 @@ async fn a_fixed_window_policy_runs_in_memory() {
     )
     .unwrap();
     assert_eq!(T0 % 10_000_000, 0, "T0 starts a window");
-    let app = app(state_with_store(
+    let app = app(state_with_stack(
         &config,
-        Arc::new(MemoryStore::new(1000, 4)),
+        in_process_stack(MemoryStore::new(1000, 4)),
         Arc::new(ManualClock::new(T0)),
     ));
     for i in 0..10 {

@@ -1,50 +1,28 @@
 //! Multi-instance claims with real processes: three `ratelimiter` binaries
 //! on one Redis (standalone or cluster), hammered concurrently.
 
-mod support;
-
 use std::process::{Command, Stdio};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use support::{ChildGuard, RedisCluster, RedisServer, TempDir, free_port, wait_for_port};
+use testkit::{Fleet, RedisCluster, RedisServer, TempDir, hammer};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ratelimiter");
 const BUDGET: usize = 100;
 
-fn config(dir: &TempDir) -> std::path::PathBuf {
-    let path = dir.0.join("c.toml");
+/// Three instances with `flags`, sharing one config (and its directory).
+fn start_fleet(flags: &[&str]) -> (Fleet, TempDir) {
+    let dir = TempDir::new("fleet").unwrap();
+    let config = dir.join("c.toml");
     // No refill during the test (1 token an hour): the budget is the burst.
     std::fs::write(
-        &path,
+        &config,
         format!(
             "key_secret = \"instances-test-secret\"\n[[api_keys]]\nid = \"victim\"\nkey = \"k\"\n\
              [[policies]]\nname = \"api\"\nroute = \"/api/\"\nburst = {BUDGET}\nrate = 1\nper = \"1h\"\n"
         ),
     )
     .unwrap();
-    path
-}
-
-struct Fleet {
-    urls: Vec<String>,
-    _children: Vec<ChildGuard>,
-    _dir: TempDir,
-}
-
-fn start_fleet(n: usize, flags: &[&str]) -> Fleet {
-    let dir = TempDir::new("fleet");
-    let config = config(&dir);
-    let mut urls = Vec::new();
-    let mut children = Vec::new();
-    for i in 0..n {
-        let port = free_port();
-        let child = Command::new(BIN)
-            .args([
-                "--listen",
-                &format!("127.0.0.1:{port}"),
-                "--instance-id",
-                &format!("i{i}"),
-            ])
+    let fleet = Fleet::start(3, "i", || {
+        let mut command = Command::new(BIN);
+        command
             .arg("--config")
             .arg(&config)
             .args(flags)
@@ -64,84 +42,49 @@ fn start_fleet(n: usize, flags: &[&str]) -> Fleet {
                 "closed",
             ])
             .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap();
-        children.push(ChildGuard(child));
-        wait_for_port(port, "ratelimiter instance");
-        urls.push(format!("http://127.0.0.1:{port}/api/items"));
-    }
-    Fleet {
-        urls,
-        _children: children,
-        _dir: dir,
-    }
+            .stdout(Stdio::null());
+        command
+    })
+    .unwrap();
+    (fleet, dir)
 }
 
 /// `requests` GETs for one key from 32 concurrent clients, round-robin over
 /// the fleet; returns how many were admitted. Anything but 200/429 fails.
-async fn hammer(fleet: &Fleet, requests: usize) -> usize {
-    let http = reqwest::Client::new();
-    let next = Arc::new(AtomicUsize::new(0));
-    let admitted = Arc::new(AtomicUsize::new(0));
-    let urls = Arc::new(fleet.urls.clone());
-    let mut tasks = Vec::new();
-    for _ in 0..32 {
-        let (http, next, admitted, urls) =
-            (http.clone(), next.clone(), admitted.clone(), urls.clone());
-        tasks.push(tokio::spawn(async move {
-            loop {
-                let n = next.fetch_add(1, Ordering::Relaxed);
-                if n >= requests {
-                    break;
-                }
-                let r = http
-                    .get(&urls[n % urls.len()])
-                    .header("x-api-key", "k")
-                    .send()
-                    .await
-                    .unwrap();
-                match r.status().as_u16() {
-                    200 => {
-                        admitted.fetch_add(1, Ordering::Relaxed);
-                    }
-                    429 => {}
-                    other => panic!(
-                        "unexpected status {other}: {}",
-                        r.text().await.unwrap_or_default()
-                    ),
-                }
-            }
-        }));
-    }
-    for t in tasks {
-        t.await.unwrap();
-    }
-    admitted.load(Ordering::Relaxed)
+async fn admitted(fleet: &Fleet, requests: usize) -> usize {
+    let urls: Vec<String> = fleet
+        .urls
+        .iter()
+        .map(|u| format!("{u}/api/items"))
+        .collect();
+    let tally = hammer(&urls, requests, 32, "k").await.unwrap();
+    assert_eq!(tally.errors, 0, "first error: {:?}", tally.first_error);
+    assert_eq!(tally.admitted + tally.throttled, requests);
+    tally.admitted
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_lua_instances_on_one_redis_admit_exactly_the_budget() {
-    let redis = RedisServer::start();
-    let fleet = start_fleet(3, &["--backend", "lua", "--redis-url", &redis.url()]);
-    assert_eq!(hammer(&fleet, 6 * BUDGET).await, BUDGET);
+    let redis = RedisServer::start().unwrap();
+    let (fleet, _dir) = start_fleet(&["--backend", "lua", "--redis-url", &redis.url()]);
+    assert_eq!(admitted(&fleet, 6 * BUDGET).await, BUDGET);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_lua_instances_on_a_redis_cluster_admit_exactly_the_budget() {
-    let cluster = RedisCluster::start();
+    let cluster = RedisCluster::start().unwrap();
     let urls = cluster.urls();
     let mut flags = vec!["--backend", "lua"];
     for url in &urls {
         flags.extend(["--redis-cluster", url.as_str()]);
     }
-    let fleet = start_fleet(3, &flags);
-    assert_eq!(hammer(&fleet, 6 * BUDGET).await, BUDGET);
+    let (fleet, _dir) = start_fleet(&flags);
+    assert_eq!(admitted(&fleet, 6 * BUDGET).await, BUDGET);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_memory_instances_admit_three_times_the_budget() {
-    let fleet = start_fleet(3, &["--backend", "memory"]);
+    let (fleet, _dir) = start_fleet(&["--backend", "memory"]);
     // Each instance has its own bucket: the fleet admits 3 x the limit.
-    assert_eq!(hammer(&fleet, 6 * BUDGET).await, 3 * BUDGET);
+    assert_eq!(admitted(&fleet, 6 * BUDGET).await, 3 * BUDGET);
 }

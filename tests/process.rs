@@ -1,11 +1,9 @@
 //! The binary as a user runs it: flags, env, start-up validation, signals.
 
-mod support;
-
 use std::io::Read;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-use support::{ChildGuard, TempDir, free_port, wait_for_port};
+use testkit::{ChildGuard, RedisCluster, RedisServer, TempDir, free_port, wait_for_port};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ratelimiter");
 
@@ -34,10 +32,10 @@ fn get_n(port: u16, path: &str, n: usize) -> (Vec<u16>, String) {
 
 #[test]
 fn serves_from_env_and_flags_and_stops_cleanly_on_sigterm() {
-    let port = free_port();
+    let port = free_port().unwrap();
     // One token an hour after the burst, so real time cannot refill any
     // during the test: exactly the burst passes.
-    let dir = TempDir::new("serve");
+    let dir = TempDir::new("serve").unwrap();
     let config = dir.0.join("c.toml");
     std::fs::write(
         &config,
@@ -54,7 +52,7 @@ fn serves_from_env_and_flags_and_stops_cleanly_on_sigterm() {
         .spawn()
         .unwrap();
     let mut proc = ChildGuard(child);
-    wait_for_port(port, "ratelimiter");
+    wait_for_port(port, "ratelimiter").unwrap();
     // The env var beats the file's instance_id.
     let (status, body) = get_n(port, "/api/status", 1);
     assert_eq!(status, [200]);
@@ -86,7 +84,7 @@ fn serves_from_env_and_flags_and_stops_cleanly_on_sigterm() {
 
 #[test]
 fn invalid_config_fails_at_startup_naming_the_field() {
-    let dir = TempDir::new("bad");
+    let dir = TempDir::new("bad").unwrap();
     let path = dir.0.join("bad.toml");
     std::fs::write(
         &path,
@@ -134,8 +132,8 @@ fn probe(port: u16, path: &str) -> (u16, Option<String>, String) {
 /// checks it serves by its local share, then starts Redis (`start`) and
 /// waits for it to decide through Redis. Never a crash, never a 5xx.
 fn starts_degraded_then_connects<R>(redis_flags: &[String], start: impl FnOnce() -> R) {
-    let port = free_port();
-    let dir = TempDir::new("no-redis");
+    let port = free_port().unwrap();
+    let dir = TempDir::new("no-redis").unwrap();
     let config = dir.0.join("c.toml");
     std::fs::write(
         &config,
@@ -154,7 +152,7 @@ fn starts_degraded_then_connects<R>(redis_flags: &[String], start: impl FnOnce()
         .spawn()
         .unwrap();
     let mut proc = ChildGuard(child);
-    wait_for_port(port, "ratelimiter without redis");
+    wait_for_port(port, "ratelimiter without redis").unwrap();
 
     let (status, _, body) = probe(port, "/readyz");
     assert_eq!(status, 200, "degraded but serving: {body}");
@@ -183,22 +181,26 @@ fn starts_degraded_then_connects<R>(redis_flags: &[String], start: impl FnOnce()
 
 #[test]
 fn starts_without_redis_and_connects_when_it_appears() {
-    let redis_port = free_port();
+    let redis_port = free_port().unwrap();
     starts_degraded_then_connects(
         &[
             "--redis-url".into(),
             format!("redis://127.0.0.1:{redis_port}"),
         ],
-        || support::RedisServer::start_on(redis_port, &[]),
+        || RedisServer::start_on(redis_port, &[]).unwrap(),
     );
 }
 
 #[test]
 fn starts_without_a_redis_cluster_and_connects_when_it_appears() {
-    let ports = [free_port(), free_port(), free_port()];
+    let ports = [
+        free_port().unwrap(),
+        free_port().unwrap(),
+        free_port().unwrap(),
+    ];
     let flags: Vec<String> = ports
         .iter()
         .flat_map(|p| ["--redis-cluster".into(), format!("redis://127.0.0.1:{p}")])
         .collect();
-    starts_degraded_then_connects(&flags, || support::RedisCluster::start_on(ports));
+    starts_degraded_then_connects(&flags, || RedisCluster::start_on(ports).unwrap());
 }

@@ -5,12 +5,13 @@ mod support;
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestRunner};
-use ratelimiter::bucket::{self, BucketState, Limit};
+use ratelimiter::algorithm::token_bucket::{self, BucketState};
+use ratelimiter::algorithm::{Algorithm, Limit};
 use ratelimiter::store::redis::{RedisConnection, RedisSettings, redis_key};
-use ratelimiter::store::{BucketKey, LuaStore, NaiveStore, Store};
+use ratelimiter::store::{BucketKey, Check, LuaStore, NaiveStore, Store};
 use std::sync::Arc;
 use std::time::Duration;
-use support::{RedisCluster, RedisServer};
+use testkit::{RedisCluster, RedisServer};
 
 const T0: u64 = 1_800_000_000_000_000;
 
@@ -24,6 +25,12 @@ fn settings(urls: Vec<String>, cluster: bool) -> RedisSettings {
         retries: 2,
         ttl_margin: Duration::from_secs(1),
     }
+}
+
+/// Whether one request of cost 1 passes through `store` at T0.
+async fn allowed(store: &impl Store, key: BucketKey, limit: Limit) -> bool {
+    let checked = store.check(Check::new(key, limit, 1, T0)).await.unwrap();
+    checked.decision.unwrap().allowed
 }
 
 async fn lua(settings: &RedisSettings) -> LuaStore {
@@ -78,7 +85,7 @@ fn differential(store: &LuaStore, rt: &tokio::runtime::Runtime, cases: u32) {
             for (dt, cost, percent) in steps {
                 now += dt;
                 let ceiling = percent.map(|p| limit.capacity_units() / 100 * p);
-                let (expected, next) = bucket::check_within(
+                let (expected, next) = token_bucket::check_within(
                     &limit,
                     state,
                     cost,
@@ -91,7 +98,9 @@ fn differential(store: &LuaStore, rt: &tokio::runtime::Runtime, cases: u32) {
                     state = (!expected.reset.is_zero()).then_some(next);
                 }
                 let got = rt
-                    .block_on(store.check_key_within(bucket_key, &limit, cost, now as u64, ceiling))
+                    .block_on(store.decide(
+                        &Check::new(bucket_key, limit, cost, now as u64).with_ceiling(ceiling),
+                    ))
                     .unwrap();
                 prop_assert_eq!(
                     got,
@@ -114,7 +123,7 @@ fn cases_strategy() -> impl Strategy<Value = Case> {
 
 #[test]
 fn lua_script_matches_the_rust_core_on_a_real_redis() {
-    let redis = RedisServer::start();
+    let redis = RedisServer::start().unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let store = rt.block_on(lua(&settings(vec![redis.url()], false)));
     differential(&store, &rt, 96);
@@ -122,7 +131,7 @@ fn lua_script_matches_the_rust_core_on_a_real_redis() {
 
 #[test]
 fn lua_script_matches_the_rust_core_on_a_redis_cluster() {
-    let cluster = RedisCluster::start();
+    let cluster = RedisCluster::start().unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let store = rt.block_on(lua(&settings(cluster.urls(), true)));
     differential(&store, &rt, 24);
@@ -130,7 +139,7 @@ fn lua_script_matches_the_rust_core_on_a_redis_cluster() {
     let holding = cluster
         .nodes
         .iter()
-        .filter(|n| n.cli(&["dbsize"]).trim() != "0")
+        .filter(|n| n.cli(&["dbsize"]).unwrap().trim() != "0")
         .count();
     assert!(holding >= 2, "keys landed on only {holding} node(s)");
 }
@@ -166,7 +175,7 @@ fn differential_algorithms(store: &LuaStore, rt: &tokio::runtime::Runtime, cases
                         algorithm::check(&limit, state.take(), cost, now as u64).unwrap();
                     state = next;
                     let got = rt
-                        .block_on(store.check_key(bucket_key, &limit, cost, now as u64))
+                        .block_on(store.decide(&Check::new(bucket_key, limit, cost, now as u64)))
                         .unwrap();
                     prop_assert_eq!(
                         got,
@@ -186,7 +195,7 @@ fn differential_algorithms(store: &LuaStore, rt: &tokio::runtime::Runtime, cases
 
 #[test]
 fn every_algorithm_script_matches_its_rust_core_on_a_real_redis() {
-    let redis = RedisServer::start();
+    let redis = RedisServer::start().unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let store = rt.block_on(lua(&settings(vec![redis.url()], false)));
     differential_algorithms(&store, &rt, 64);
@@ -194,7 +203,7 @@ fn every_algorithm_script_matches_its_rust_core_on_a_real_redis() {
 
 #[test]
 fn every_algorithm_script_matches_its_rust_core_on_a_redis_cluster() {
-    let cluster = RedisCluster::start();
+    let cluster = RedisCluster::start().unwrap();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let store = rt.block_on(lua(&settings(cluster.urls(), true)));
     differential_algorithms(&store, &rt, 12);
@@ -202,62 +211,87 @@ fn every_algorithm_script_matches_its_rust_core_on_a_redis_cluster() {
 
 #[tokio::test]
 async fn keys_expire_when_full_again_and_denials_write_nothing() {
-    let redis = RedisServer::start();
+    let redis = RedisServer::start().unwrap();
     let settings = settings(vec![redis.url()], false);
     let store = lua(&settings).await;
     let key = BucketKey(42);
-    let name = redis_key("test:", key);
+    let name = redis_key("test:", Algorithm::TokenBucket, key);
     // 2 tokens, 1 per second: spend both.
     let limit = Limit::per_second(2, 1).unwrap();
     for _ in 0..2 {
-        assert!(store.check_key(key, &limit, 1, T0).await.unwrap().allowed);
+        assert!(
+            store
+                .decide(&Check::new(key, limit, 1, T0))
+                .await
+                .unwrap()
+                .allowed
+        );
     }
-    let ttl: u64 = redis.cli(&["pttl", &name]).trim().parse().unwrap();
+    let ttl: u64 = redis.cli(&["pttl", &name]).unwrap().trim().parse().unwrap();
     // Full again in 2 s, plus the 1 s margin.
     assert!((2_900..=3_000).contains(&ttl), "pttl {ttl}");
-    let before = redis.cli(&["get", &name]);
-    let denied = store.check_key(key, &limit, 1, T0 + 500_000).await.unwrap();
+    let before = redis.cli(&["get", &name]).unwrap();
+    let denied = store
+        .decide(&Check::new(key, limit, 1, T0 + 500_000))
+        .await
+        .unwrap();
     assert!(!denied.allowed);
     assert_eq!(denied.retry_after, Duration::from_millis(500));
-    assert_eq!(redis.cli(&["get", &name]), before, "a denial wrote");
+    assert_eq!(
+        redis.cli(&["get", &name]).unwrap(),
+        before,
+        "a denial wrote"
+    );
     // A zero-cost peek after the bucket refilled removes the key.
     let peek = store
-        .check_key(key, &limit, 0, T0 + 2_000_000)
+        .decide(&Check::new(key, limit, 0, T0 + 2_000_000))
         .await
         .unwrap();
     assert_eq!(peek.remaining, 2);
-    assert_eq!(redis.cli(&["exists", &name]).trim(), "0");
-    // The script's code (comments aside) never reads the server clock.
-    let code: String = ratelimiter::store::redis::TOKEN_BUCKET_LUA
-        .lines()
-        .map(|l| l.split("--").next().unwrap_or_default())
-        .collect();
-    assert!(code.contains("redis.call('GET'"));
-    assert!(
-        !code.to_uppercase().contains("TIME"),
-        "the script reads a clock"
-    );
+    assert_eq!(redis.cli(&["exists", &name]).unwrap().trim(), "0");
+    // No script's code (comments aside) reads the server clock.
+    for algorithm in Algorithm::ALL {
+        let code: String = algorithm
+            .script()
+            .lines()
+            .map(|l| l.split("--").next().unwrap_or_default())
+            .collect();
+        assert!(code.contains("redis.call("), "{algorithm:?}");
+        assert!(
+            !code.to_uppercase().contains("TIME"),
+            "{algorithm:?}'s script reads a clock"
+        );
+    }
+    assert!(Algorithm::TokenBucket.script().contains("redis.call('GET'"));
 }
 
 #[tokio::test]
 async fn evalsha_survives_script_flush() {
-    let redis = RedisServer::start();
+    let redis = RedisServer::start().unwrap();
     let store = lua(&settings(vec![redis.url()], false)).await;
     let limit = Limit::per_second(5, 1).unwrap();
     assert!(
         store
-            .check_key(BucketKey(1), &limit, 1, T0)
+            .decide(&Check::new(BucketKey(1), limit, 1, T0))
             .await
             .unwrap()
             .allowed
     );
-    redis.cli(&["script", "flush"]);
+    redis.cli(&["script", "flush"]).unwrap();
     // NOSCRIPT makes redis-rs load the script and retry.
-    let d = store.check_key(BucketKey(1), &limit, 1, T0).await.unwrap();
+    let d = store
+        .decide(&Check::new(BucketKey(1), limit, 1, T0))
+        .await
+        .unwrap();
     assert_eq!(d.remaining, 3);
     assert!(
         redis
-            .cli(&["script", "exists", store.script_hash()])
+            .cli(&[
+                "script",
+                "exists",
+                store.script_hash(Algorithm::TokenBucket)
+            ])
+            .unwrap()
             .contains('1')
     );
 }
@@ -266,7 +300,7 @@ async fn evalsha_survives_script_flush() {
 /// token before either writes, and both spend it.
 #[tokio::test]
 async fn naive_read_modify_write_double_spends_the_last_token() {
-    let redis = RedisServer::start();
+    let redis = RedisServer::start().unwrap();
     let settings = settings(vec![redis.url()], false);
     let a = NaiveStore::new(
         RedisConnection::connect(&settings).await.unwrap(),
@@ -280,22 +314,22 @@ async fn naive_read_modify_write_double_spends_the_last_token() {
     let key = BucketKey(7);
     // Spend 2 of 3 tokens: one left.
     for _ in 0..2 {
-        assert!(a.check(key, limit, 1, T0).await.unwrap().allowed);
+        assert!(allowed(&a, key, limit).await);
     }
     let seen_by_a = a.read(key).await.unwrap();
     let seen_by_b = b.read(key).await.unwrap();
     assert_eq!(seen_by_a, seen_by_b);
     let first = a
-        .decide_and_write(key, seen_by_a, &limit, 1, T0, None)
+        .decide_and_write(&Check::new(key, limit, 1, T0), seen_by_a)
         .await
         .unwrap();
     let second = b
-        .decide_and_write(key, seen_by_b, &limit, 1, T0, None)
+        .decide_and_write(&Check::new(key, limit, 1, T0), seen_by_b)
         .await
         .unwrap();
     assert!(first.allowed && second.allowed, "both spent the last token");
     // 4 admitted from a bucket of 3; the stored state shows only 3 spent.
-    assert!(!a.check(key, limit, 1, T0).await.unwrap().allowed);
+    assert!(!allowed(&a, key, limit).await);
 
     // The same interleaving cannot happen to the script: it is one step.
     let lua = lua(&settings).await;
@@ -304,14 +338,24 @@ async fn naive_read_modify_write_double_spends_the_last_token() {
         async {
             let mut n = 0;
             for _ in 0..50 {
-                n += u32::from(lua.check_key(key, &limit, 1, T0).await.unwrap().allowed);
+                n += u32::from(
+                    lua.decide(&Check::new(key, limit, 1, T0))
+                        .await
+                        .unwrap()
+                        .allowed,
+                );
             }
             n
         },
         async {
             let mut n = 0;
             for _ in 0..50 {
-                n += u32::from(lua.check_key(key, &limit, 1, T0).await.unwrap().allowed);
+                n += u32::from(
+                    lua.decide(&Check::new(key, limit, 1, T0))
+                        .await
+                        .unwrap()
+                        .allowed,
+                );
             }
             n
         }
@@ -321,7 +365,7 @@ async fn naive_read_modify_write_double_spends_the_last_token() {
 
 #[tokio::test]
 async fn concurrent_lua_checks_from_many_connections_never_over_admit() {
-    let redis = RedisServer::start();
+    let redis = RedisServer::start().unwrap();
     let settings = settings(vec![redis.url()], false);
     let mut stores = Vec::new();
     for _ in 0..4 {
@@ -336,7 +380,7 @@ async fn concurrent_lua_checks_from_many_connections_never_over_admit() {
             for _ in 0..20 {
                 n += u32::from(
                     store
-                        .check_key(BucketKey(99), &limit, 1, T0)
+                        .decide(&Check::new(BucketKey(99), limit, 1, T0))
                         .await
                         .unwrap()
                         .allowed,
@@ -355,11 +399,16 @@ async fn concurrent_lua_checks_from_many_connections_never_over_admit() {
 #[tokio::test]
 async fn redis_errors_are_classified() {
     // Nothing listens on this port: the first command is refused.
-    let port = support::free_port();
+    let port = testkit::free_port().unwrap();
     let s = settings(vec![format!("redis://127.0.0.1:{port}")], false);
     let store = lua(&s).await;
     let err = store
-        .check_key(BucketKey(1), &Limit::per_second(1, 1).unwrap(), 1, T0)
+        .decide(&Check::new(
+            BucketKey(1),
+            Limit::per_second(1, 1).unwrap(),
+            1,
+            T0,
+        ))
         .await
         .unwrap_err();
     assert!(
@@ -383,7 +432,12 @@ async fn redis_errors_are_classified() {
     let store = lua(&s).await;
     let started = std::time::Instant::now();
     let err = store
-        .check_key(BucketKey(1), &Limit::per_second(1, 1).unwrap(), 1, T0)
+        .decide(&Check::new(
+            BucketKey(1),
+            Limit::per_second(1, 1).unwrap(),
+            1,
+            T0,
+        ))
         .await
         .unwrap_err();
     assert_eq!(err.kind(), "timeout", "{err}");
@@ -395,19 +449,19 @@ async fn redis_errors_are_classified() {
 /// spending rarely pays for a new TTL.
 #[tokio::test]
 async fn key_expiry_always_covers_the_refill_and_is_rarely_reset() {
-    let redis = RedisServer::start();
+    let redis = RedisServer::start().unwrap();
     let settings = settings(vec![redis.url()], false);
     let store = lua(&settings).await;
     let mut conn = RedisConnection::connect(&settings).await.unwrap();
     let margin_us = settings.ttl_margin.as_micros() as u64;
     let limit = Limit::per_second(1000, 100).unwrap();
     let key = BucketKey(77);
-    let name = redis_key("test:", key);
+    let name = redis_key("test:", Algorithm::TokenBucket, key);
     let mut now = T0;
     let (mut writes, mut refreshes, mut last_pttl) = (0, 0, 0i64);
     for i in 0..600u64 {
         now += (i * 7919) % 9_000; // 0..9 ms apart: faster than the 100/s refill
-        let d = store.check_key(key, &limit, 1, now).await.unwrap();
+        let d = store.decide(&Check::new(key, limit, 1, now)).await.unwrap();
         if !d.allowed {
             continue;
         }
@@ -445,7 +499,7 @@ async fn key_expiry_always_covers_the_refill_and_is_rarely_reset() {
 #[tokio::test]
 async fn a_fixed_window_policy_speaks_the_same_headers_over_http() {
     use ratelimiter::clock::ManualClock;
-    let redis = RedisServer::start();
+    let redis = RedisServer::start().unwrap();
     let w = 10_000_000;
     // 4 s into a window.
     let start = (T0 / w + 1) * w + 4_000_000;
@@ -487,7 +541,7 @@ async fn a_fixed_window_policy_speaks_the_same_headers_over_http() {
 #[tokio::test]
 async fn a_changed_policy_neither_breaks_replies_nor_locks_clients_out() {
     use ratelimiter::algorithm::Algorithm;
-    let redis = RedisServer::start();
+    let redis = RedisServer::start().unwrap();
     let store = lua(&settings(vec![redis.url()], false)).await;
     for algorithm in Algorithm::ALL {
         let key = BucketKey(0xC4A9_0000 + algorithm as u128);
@@ -499,7 +553,7 @@ async fn a_changed_policy_neither_breaks_replies_nor_locks_clients_out() {
         for _ in 0..15 {
             assert!(
                 store
-                    .check_key(key, &limit(20), 1, T0)
+                    .decide(&Check::new(key, limit(20), 1, T0))
                     .await
                     .unwrap()
                     .allowed
@@ -508,7 +562,7 @@ async fn a_changed_policy_neither_breaks_replies_nor_locks_clients_out() {
         // Lowered: the stored count is above the new limit.
         for burst in [5, 40, 20] {
             let d = store
-                .check_key(key, &limit(burst), 1, T0 + 1_000)
+                .decide(&Check::new(key, limit(burst), 1, T0 + 1_000))
                 .await
                 .unwrap_or_else(|e| panic!("{algorithm:?} burst {burst}: {e}"));
             assert!(d.remaining <= burst, "{algorithm:?}: {d:?}");
@@ -518,6 +572,7 @@ async fn a_changed_policy_neither_breaks_replies_nor_locks_clients_out() {
             );
             let ttl: i64 = redis
                 .cli(&["pttl", &store.key_name(algorithm, key)])
+                .unwrap()
                 .trim()
                 .parse()
                 .unwrap();
@@ -535,7 +590,7 @@ async fn a_changed_policy_neither_breaks_replies_nor_locks_clients_out() {
 #[tokio::test]
 async fn sliding_log_members_stay_unique_after_a_later_trim() {
     use ratelimiter::algorithm::{self, Algorithm};
-    let redis = RedisServer::start();
+    let redis = RedisServer::start().unwrap();
     let store = lua(&settings(vec![redis.url()], false)).await;
     let limit = Limit::new(46, 15, Duration::from_micros(2_093_494))
         .unwrap()
@@ -557,7 +612,7 @@ async fn sliding_log_members_stay_unique_after_a_later_trim() {
         let (expected, next) = algorithm::check(&limit, state.take(), cost, now as u64).unwrap();
         state = next;
         let got = store
-            .check_key(BucketKey(77), &limit, cost, now as u64)
+            .decide(&Check::new(BucketKey(77), limit, cost, now as u64))
             .await
             .unwrap();
         assert_eq!(got, expected, "now={now} cost={cost}");

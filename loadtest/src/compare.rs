@@ -26,15 +26,14 @@
 //!    flight: checks/s, EVALSHA's own time per call (`INFO commandstats`)
 //!    and the server's CPU per check (`INFO cpu`).
 
-use crate::cluster::Redis;
 use crate::luabench::{begin, bench_settings, cpu_seconds, stats};
-use ratelimiter::algorithm::{Algorithm, Window};
-use ratelimiter::bucket::Limit;
+use ratelimiter::algorithm::{Algorithm, Limit, Window};
 use ratelimiter::store::redis::RedisConnection;
-use ratelimiter::store::{BucketKey, LuaStore};
+use ratelimiter::store::{BucketKey, Check, LuaStore};
 use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use testkit::RedisServer;
 
 /// The compare command's options.
 #[derive(Debug, Clone, clap::Args)]
@@ -156,7 +155,7 @@ async fn drive(
 ) -> anyhow::Result<Vec<bool>> {
     let mut admitted = Vec::with_capacity(times.len());
     for &t in times {
-        admitted.push(store.check_key(key, &limit, 1, t).await?.allowed);
+        admitted.push(store.decide(&Check::new(key, limit, 1, t)).await?.allowed);
     }
     Ok(admitted)
 }
@@ -351,7 +350,7 @@ async fn cost(
                     let now = start + k * w / per_key;
                     for &key in &mine {
                         let key = BucketKey(((i as u128) << 64) | u128::from(key));
-                        store.check_key(key, &limit, 1, now).await?;
+                        store.decide(&Check::new(key, limit, 1, now)).await?;
                     }
                 }
                 anyhow::Ok(())
@@ -383,8 +382,8 @@ pub async fn run(args: CompareArgs) -> anyhow::Result<String> {
     let url = match &args.redis_url {
         Some(u) => u.clone(),
         None => {
-            own = Redis::start()?;
-            own.url.clone()
+            own = RedisServer::start()?;
+            own.url()
         }
     };
     let settings = bench_settings(&url, "cmp:");

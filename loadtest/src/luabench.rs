@@ -10,15 +10,15 @@
 //! `depth` checks in flight on one multiplexed connection (redis-rs pipelines
 //! them); redis-benchmark uses one connection with `-P depth`.
 
-use crate::cluster::Redis;
 use anyhow::{Context, bail};
-use ratelimiter::bucket::Limit;
-use ratelimiter::store::redis::{RedisConnection, RedisSettings, TOKEN_BUCKET_LUA};
-use ratelimiter::store::{BucketKey, LuaStore};
+use ratelimiter::algorithm::{Algorithm, Limit};
+use ratelimiter::store::redis::{RedisConnection, RedisSettings};
+use ratelimiter::store::{BucketKey, Check, LuaStore};
 use std::fmt::Write as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+use testkit::RedisServer;
 
 /// Options of `lua-bench`.
 #[derive(Debug, Clone, clap::Args)]
@@ -151,7 +151,9 @@ async fn ours(url: &str, args: &LuaBenchArgs) -> anyhow::Result<Side> {
     ));
     let limit = limit();
     // Load the script and warm up before the stats are reset.
-    store.check_key(BucketKey(0), &limit, 1, NOW).await?;
+    store
+        .decide(&Check::new(BucketKey(0), limit, 1, NOW))
+        .await?;
     let cpu_before = begin(&mut admin).await?;
     let next = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
@@ -170,7 +172,7 @@ async fn ours(url: &str, args: &LuaBenchArgs) -> anyhow::Result<Side> {
                     return anyhow::Ok(());
                 }
                 let d = store
-                    .check_key(BucketKey(u128::from(n % keys)), &limit, 1, NOW)
+                    .decide(&Check::new(BucketKey(u128::from(n % keys)), limit, 1, NOW))
                     .await?;
                 if !d.allowed {
                     bail!("a check was denied: the bench measures the write path");
@@ -259,8 +261,11 @@ pub async fn run(args: LuaBenchArgs) -> anyhow::Result<()> {
     let url = match &args.redis_url {
         Some(u) => u.clone(),
         None => {
-            own = Redis::start_on(args.redis_cpu)?;
-            own.url.clone()
+            own = match args.redis_cpu {
+                Some(cpu) => RedisServer::start_pinned(cpu)?,
+                None => RedisServer::start()?,
+            };
+            own.url()
         }
     };
     let floor = redis_benchmark(
@@ -281,7 +286,7 @@ pub async fn run(args: LuaBenchArgs) -> anyhow::Result<()> {
         &url,
         &args,
         "redis-benchmark, token_bucket.lua",
-        TOKEN_BUCKET_LUA,
+        Algorithm::TokenBucket.script(),
     )
     .await?;
     let ours = ours(&url, &args).await?;

@@ -21,8 +21,8 @@
 //! Redis under load (see `outage.rs`) and measures what each failure mode
 //! admits, how long requests wait and how fast Redis takes over again.
 
-mod cluster;
 mod compare;
+mod instances;
 mod luabench;
 mod outage;
 mod proxy;

@@ -32,15 +32,16 @@
 //! `--response-timeout 2s` the client library's own timeout is out of the
 //! picture and the deadline alone bounds how long a request waits.
 
-use crate::cluster::{Instances, Redis, ScratchDir};
 use crate::proxy::FaultProxy;
 use anyhow::{Context, bail};
-use ratelimiter::bucket::{self, Limit};
+use ratelimiter::algorithm::Limit;
+use ratelimiter::algorithm::token_bucket;
 use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use testkit::{RedisServer, TempDir};
 
 /// The outage command's options.
 #[derive(Debug, Clone, clap::Args)]
@@ -184,7 +185,7 @@ fn ratio(a: usize, b: usize) -> f64 {
     }
 }
 
-fn config_file(dir: &ScratchDir, args: &OutageArgs) -> anyhow::Result<std::path::PathBuf> {
+fn config_file(dir: &TempDir, args: &OutageArgs) -> anyhow::Result<std::path::PathBuf> {
     let path = dir.0.join("outage.toml");
     std::fs::write(
         &path,
@@ -303,7 +304,7 @@ async fn scenario(
     config: &std::path::Path,
     run_id: usize,
 ) -> anyhow::Result<OutageResult> {
-    let mut redis = Redis::start()?;
+    let mut redis = RedisServer::start()?;
     let proxy = match fault {
         Fault::Latency | Fault::Blackhole => {
             let upstream: SocketAddr = format!("127.0.0.1:{}", redis.port).parse()?;
@@ -313,7 +314,7 @@ async fn scenario(
     };
     let redis_url = proxy
         .as_ref()
-        .map_or_else(|| redis.url.clone(), FaultProxy::redis_url);
+        .map_or_else(|| redis.url(), FaultProxy::redis_url);
     let flags: Vec<String> = [
         "--config",
         &config.display().to_string(),
@@ -335,7 +336,8 @@ async fn scenario(
     .iter()
     .map(|s| (*s).to_owned())
     .collect();
-    let instances = Instances::start(args.instances, &flags).context("starting instances")?;
+    let instances =
+        crate::instances::start(args.instances, &flags).context("starting instances")?;
     let share_burst = (args.burst / args.instances as u64).max(1);
     if share_burst == args.burst {
         bail!("with one instance the local share equals the limit; use --instances 2 or more");
@@ -394,7 +396,7 @@ async fn scenario(
     let mut ideal = Vec::with_capacity(samples.len());
     for s in &samples {
         let now = wall_start + s.sent.as_micros() as u64;
-        let (d, next) = bucket::check(&limit, state, 1, now)?;
+        let (d, next) = token_bucket::check(&limit, state, 1, now)?;
         state = Some(next);
         ideal.push(d.allowed);
     }
@@ -481,7 +483,7 @@ pub async fn run(args: OutageArgs) -> anyhow::Result<Vec<OutageResult>> {
         }
         plan.push((Fault::parse(fault)?, mode.to_owned()));
     }
-    let dir = ScratchDir::new("outage")?;
+    let dir = TempDir::new("outage")?;
     let config = config_file(&dir, &args)?;
     let mut results = Vec::new();
     for (run_id, (fault, mode)) in plan.into_iter().enumerate() {

@@ -11,12 +11,10 @@
 //! instances read the same last token and both spend it), lua exactly the
 //! budget.
 
-use crate::cluster::{Instances, Redis, ScratchDir};
 use anyhow::{Context, bail};
 use std::fmt::Write as _;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
+use testkit::{RedisServer, TempDir};
 
 /// The race command's options.
 #[derive(Debug, Clone, clap::Args)]
@@ -72,7 +70,7 @@ impl RaceResult {
     }
 }
 
-fn config_file(dir: &ScratchDir, budget: u64) -> anyhow::Result<std::path::PathBuf> {
+fn config_file(dir: &TempDir, budget: u64) -> anyhow::Result<std::path::PathBuf> {
     let path = dir.0.join("race.toml");
     std::fs::write(
         &path,
@@ -83,58 +81,6 @@ fn config_file(dir: &ScratchDir, budget: u64) -> anyhow::Result<std::path::PathB
         ),
     )?;
     Ok(path)
-}
-
-/// Sends `requests` GETs for the race key from `concurrency` clients,
-/// round-robin over `urls`; returns (admitted, errors).
-pub async fn hammer(
-    urls: &[String],
-    requests: usize,
-    concurrency: usize,
-) -> anyhow::Result<(usize, usize)> {
-    let http = reqwest::Client::builder()
-        .timeout(std::time::Duration::from_secs(10))
-        .pool_max_idle_per_host(concurrency)
-        .build()?;
-    let next = Arc::new(AtomicUsize::new(0));
-    let admitted = Arc::new(AtomicUsize::new(0));
-    let errors = Arc::new(AtomicUsize::new(0));
-    let urls: Arc<Vec<String>> = Arc::new(urls.iter().map(|u| format!("{u}/api/items")).collect());
-    let mut tasks = Vec::with_capacity(concurrency);
-    for _ in 0..concurrency {
-        let (http, next, admitted, errors, urls) = (
-            http.clone(),
-            Arc::clone(&next),
-            Arc::clone(&admitted),
-            Arc::clone(&errors),
-            Arc::clone(&urls),
-        );
-        tasks.push(tokio::spawn(async move {
-            loop {
-                let n = next.fetch_add(1, Ordering::Relaxed);
-                if n >= requests {
-                    break;
-                }
-                let url = &urls[n % urls.len()];
-                match http.get(url).header("x-api-key", "race-key").send().await {
-                    Ok(r) if r.status() == 200 => {
-                        admitted.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Ok(r) if r.status() == 429 => {}
-                    _ => {
-                        errors.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-            }
-        }));
-    }
-    for t in tasks {
-        t.await?;
-    }
-    Ok((
-        admitted.load(Ordering::Relaxed),
-        errors.load(Ordering::Relaxed),
-    ))
 }
 
 /// Runs the whole matrix and prints (and optionally saves) the table.
@@ -148,11 +94,11 @@ pub async fn run(args: RaceArgs) -> anyhow::Result<Vec<RaceResult>> {
     let redis_url = match &args.redis_url {
         Some(url) => url.clone(),
         None => {
-            own_redis = Redis::start()?;
-            own_redis.url.clone()
+            own_redis = RedisServer::start()?;
+            own_redis.url()
         }
     };
-    let dir = ScratchDir::new("race")?;
+    let dir = TempDir::new("race")?;
     let config = config_file(&dir, args.budget)?;
     let mut results = Vec::new();
     let mut run_id = 0;
@@ -183,9 +129,15 @@ pub async fn run(args: RaceArgs) -> anyhow::Result<Vec<RaceResult>> {
                     "--redis-prefix".to_owned(),
                     format!("race:{}:{run_id}:", std::process::id()),
                 ];
-                let instances = Instances::start(k, &flags).context("starting instances")?;
+                let instances = crate::instances::start(k, &flags).context("starting instances")?;
                 let started = Instant::now();
-                let (admitted, errors) = hammer(&instances.urls, args.requests, c).await?;
+                let urls: Vec<String> = instances
+                    .urls
+                    .iter()
+                    .map(|u| format!("{u}/api/items"))
+                    .collect();
+                let tally = testkit::hammer(&urls, args.requests, c, "race-key").await?;
+                let (admitted, errors) = (tally.admitted, tally.errors);
                 let result = RaceResult {
                     backend: backend.clone(),
                     instances: k,

@@ -12,9 +12,10 @@
 //! into an earlier window keeps counting in the stored one instead of
 //! reopening the earlier window with a fresh count.
 
-use super::{Window, cost_fits, micros};
-use crate::bucket::{CostExceedsBurst, Decision};
+use super::decision::{Decision, Packed};
+use super::limit::{CostExceedsBurst, Window};
 use crate::clock::Micros;
+use std::time::Duration;
 
 /// The current window's index (`start / W`) and what it has admitted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,6 +30,27 @@ pub struct FixedState {
     pub window_us: u64,
 }
 
+impl FixedState {
+    /// The state in 16 bytes: the count, and the window's end (when the
+    /// count no longer matters).
+    pub fn pack(&self) -> Packed {
+        Packed {
+            word: self.count,
+            full_at: (self.index + 1) * self.window_us,
+        }
+    }
+
+    /// The state [`FixedState::pack`] packed under window length `w` (a
+    /// store lives as long as its config: one window length per limit).
+    pub fn unpack(packed: Packed, w: u64) -> Self {
+        Self {
+            index: (packed.full_at / w).saturating_sub(1),
+            count: packed.word,
+            window_us: w,
+        }
+    }
+}
+
 /// Decide one request of `cost` at `now`; returns the decision and the
 /// state to store.
 pub fn check(
@@ -37,7 +59,7 @@ pub fn check(
     cost: u64,
     now: Micros,
 ) -> Result<(Decision, Option<FixedState>), CostExceedsBurst> {
-    cost_fits(window, cost)?;
+    window.check_cost(cost)?;
     let w = window.window_us;
     let current = now / w;
     let FixedState {
@@ -62,8 +84,8 @@ pub fn check(
         limit: window.limit,
         // A count above the limit (the policy was lowered) leaves nothing.
         remaining: window.limit.saturating_sub(count),
-        retry_after: micros(if count + cost <= window.limit { 0 } else { end }),
-        reset: micros(if count == 0 { 0 } else { end }),
+        retry_after: Duration::from_micros(if count + cost <= window.limit { 0 } else { end }),
+        reset: Duration::from_micros(if count == 0 { 0 } else { end }),
     };
     // Only an admission that spends writes (as the script does): otherwise
     // what was stored stays, and reads the same.

@@ -16,9 +16,10 @@
 //! back: the bucket treats the step as no time passing, GCRA measures the
 //! TAT from the earlier `now`, so it reads *less* refill (more conservative).
 
-use super::micros;
-use crate::bucket::{CostExceedsBurst, Decision, Limit};
+use super::decision::{Decision, Packed};
+use super::limit::{CostExceedsBurst, Limit};
 use crate::clock::Micros;
+use std::time::Duration;
 
 /// The theoretical arrival time: `tat + rem / rate` microseconds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,6 +28,25 @@ pub struct GcraState {
     pub tat: Micros,
     /// The fraction, in units (less than the limit's rate).
     pub rem: u64,
+}
+
+impl GcraState {
+    /// The state in 16 bytes: the TAT is the instant the bucket is full
+    /// again, the remainder rides in the word.
+    pub fn pack(&self) -> Packed {
+        Packed {
+            word: self.rem,
+            full_at: self.tat,
+        }
+    }
+
+    /// The state [`GcraState::pack`] packed.
+    pub fn unpack(packed: Packed) -> Self {
+        Self {
+            tat: packed.full_at,
+            rem: packed.word,
+        }
+    }
 }
 
 /// How far `state`'s TAT lies ahead of `now`, in units (0 if behind).
@@ -82,8 +102,8 @@ pub fn check(
         allowed,
         limit: limit.burst(),
         remaining: tokens / unit,
-        retry_after: micros(wait((ahead + cost * unit).saturating_sub(cap))),
-        reset: micros(wait(ahead)),
+        retry_after: Duration::from_micros(wait((ahead + cost * unit).saturating_sub(cap))),
+        reset: Duration::from_micros(wait(ahead)),
     };
     let stored = match (allowed, ahead) {
         (false, _) => state,

@@ -1,4 +1,5 @@
-//! The other algorithms, beside the token bucket, each exact and pure.
+//! The algorithms, each exact and pure, and the one description of what each
+//! needs from the rest of the service.
 //!
 //! Every algorithm reads the same [`Limit`] (`burst` tokens refilled at
 //! `rate` per `period`) and answers with the same [`Decision`], so the HTTP
@@ -6,93 +7,188 @@
 //!
 //! | algorithm | reads the limit as | state per key | "reset" means |
 //! |---|---|---|---|
-//! | `token_bucket` ([`crate::bucket`]) | `burst`, refilled `rate`/`period` | tokens, last | until the bucket is full |
+//! | `token_bucket` ([`token_bucket`]) | `burst`, refilled `rate`/`period` | tokens, last | until the bucket is full |
 //! | `gcra` | the same bucket as one instant | theoretical arrival time | until the bucket is full |
 //! | `fixed_window` | `burst` requests per window `W` | window, count | until the window's count resets |
 //! | `sliding_log` | `burst` requests in any `W` | one timestamp per token | until the log is empty |
 //! | `sliding_window` | `burst` requests in any `W`, estimated | window, count, previous count | until the estimate is 0 |
 //!
-//! `W` is the time the bucket takes to refill from empty (`burst / rate ×
-//! period`, rounded up to a microsecond): the window algorithms then allow
-//! the same long-run rate and the same largest burst as the bucket. What
+//! `W` is the time the bucket takes to refill from empty ([`Window`]). What
 //! each one promises, and where it fails, is in its module and measured by
 //! `cargo run -p loadtest -- compare`.
-//!
-//! Every algorithm runs in Redis (one Lua script each, `lua/`); all but the
-//! log also run in the in-process store, in the same 16-byte entries.
 //!
 //! Like the bucket, every function takes `now` and the stored state and
 //! returns the decision and the state to store; nothing reads a clock. A
 //! `now` behind the stored state is treated as the stored instant (no time
 //! passes), and waits are measured from the real `now`. GCRA is the one
 //! exception, noted there.
+//!
+//! # Dependencies
+//! [`limit`] and [`decision`] are the shared vocabulary (they import nothing
+//! of the crate but the clock's unit); each algorithm module imports only
+//! them; this module ties them together. Stores, config and the failure
+//! policy ask `impl Algorithm` below, never match on algorithms themselves,
+//! so adding one means: its core module (with `pack`/`unpack` if its state
+//! fits 16 bytes), its script in `lua/`, and its row in each method here.
 
+pub mod decision;
 pub mod fixed_window;
 pub mod gcra;
+pub mod limit;
 pub mod sliding_log;
 pub mod sliding_window;
+pub mod token_bucket;
 
-use crate::bucket::{self, BucketState, CostExceedsBurst, Decision, Limit};
+pub use decision::{Decision, Packed};
+pub use limit::{Algorithm, CostExceedsBurst, Limit, LimitError, MAX_EXACT, Window};
+
 use crate::clock::Micros;
-use serde::Deserialize;
+use token_bucket::BucketState;
 
-/// Which algorithm a policy uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "snake_case")]
-pub enum Algorithm {
-    /// Token bucket: bursts up to `burst`, then `rate` (the default).
-    #[default]
-    TokenBucket,
-    /// Generic cell rate algorithm: the token bucket as one timestamp.
-    Gcra,
-    /// Fixed-window counter: cheapest; up to 2x the limit across a boundary.
-    FixedWindow,
-    /// Sliding-window log: exact; memory grows with the request rate.
-    SlidingLog,
-    /// Sliding-window counter: two counters, the previous one weighted.
-    SlidingWindow,
+/// How a Lua script reads the limit: the ARGV words after `now` and `cost`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScriptArgs {
+    words: [u64; 3],
+    len: usize,
 }
 
-impl Algorithm {
-    /// Every algorithm, in table order.
-    pub const ALL: [Algorithm; 5] = [
-        Algorithm::TokenBucket,
-        Algorithm::Gcra,
-        Algorithm::FixedWindow,
-        Algorithm::SlidingLog,
-        Algorithm::SlidingWindow,
-    ];
-
-    /// The name used in config, metrics and reports.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Algorithm::TokenBucket => "token_bucket",
-            Algorithm::Gcra => "gcra",
-            Algorithm::FixedWindow => "fixed_window",
-            Algorithm::SlidingLog => "sliding_log",
-            Algorithm::SlidingWindow => "sliding_window",
-        }
+impl ScriptArgs {
+    /// The words, in ARGV order.
+    pub fn as_slice(&self) -> &[u64] {
+        &self.words[..self.len]
     }
 }
 
-/// A limit read as "`limit` requests per `window_us`".
+/// How a local bucket mirrors an algorithm's shared state, so that losing
+/// the shared store hands nobody a fresh burst (see [`crate::failover`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Window {
-    /// Tokens (requests of cost 1) per window: the burst.
-    pub limit: u64,
-    /// The window in microseconds: the bucket's time to refill from empty.
-    pub window_us: u64,
+pub enum Mirror {
+    /// A bucket: the local one is set to the same time until full.
+    TimeToFull,
+    /// A window: its "reset" is when its count clears, not a refill; the
+    /// local bucket is set to the same fraction of room left.
+    RoomLeft,
 }
 
-impl Window {
-    /// The window reading of `limit`.
-    pub fn of(limit: &Limit) -> Self {
-        Self {
-            limit: limit.burst(),
-            window_us: limit
-                .capacity_units()
-                .div_ceil(limit.rate_units_per_us())
-                .max(1),
+/// A limit an algorithm cannot keep exactly (refused at start-up).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Unfit {
+    /// The sliding-window counter's exact comparison would leave the
+    /// integers doubles hold exactly.
+    #[error("burst x window (in microseconds) must not exceed 2^53 for sliding_window")]
+    WindowTooLarge,
+    /// The sliding log would keep too many members per client.
+    #[error(
+        "sliding_log keeps one entry per token in the window: burst must be at most {}",
+        sliding_log::MAX_BURST
+    )]
+    LogTooLarge,
+}
+
+impl Algorithm {
+    /// Its Lua script, as shipped in `lua/` (each opens with its KEYS, ARGV
+    /// and reply contract).
+    pub fn script(self) -> &'static str {
+        match self {
+            Algorithm::TokenBucket => include_str!("../../lua/token_bucket.lua"),
+            Algorithm::Gcra => include_str!("../../lua/gcra.lua"),
+            Algorithm::FixedWindow => include_str!("../../lua/fixed_window.lua"),
+            Algorithm::SlidingLog => include_str!("../../lua/sliding_log.lua"),
+            Algorithm::SlidingWindow => include_str!("../../lua/sliding_window.lua"),
+        }
+    }
+
+    /// The tag between the prefix and the hash tag of its Redis keys. Each
+    /// algorithm stores a different shape (a sorted set for the log), so
+    /// each has its own key space: a policy switched to another algorithm
+    /// starts afresh instead of misreading the old value (or failing with
+    /// WRONGTYPE).
+    pub fn key_tag(self) -> &'static str {
+        match self {
+            Algorithm::TokenBucket => "",
+            Algorithm::Gcra => "gcra:",
+            Algorithm::FixedWindow => "fw:",
+            Algorithm::SlidingLog => "log:",
+            Algorithm::SlidingWindow => "sw:",
+        }
+    }
+
+    /// The limit as its script takes it, after `now` and `cost`: a bucket's
+    /// units (unit, rate, capacity) or a window's (limit, window).
+    pub fn script_args(self, limit: &Limit) -> ScriptArgs {
+        match self {
+            Algorithm::TokenBucket | Algorithm::Gcra => ScriptArgs {
+                words: [
+                    limit.units_per_token(),
+                    limit.rate_units_per_us(),
+                    limit.capacity_units(),
+                ],
+                len: 3,
+            },
+            Algorithm::FixedWindow | Algorithm::SlidingLog | Algorithm::SlidingWindow => {
+                let window = limit.window();
+                ScriptArgs {
+                    words: [window.limit, window.window_us, 0],
+                    len: 2,
+                }
+            }
+        }
+    }
+
+    /// Whether a hand-back ceiling applies: a bucket level, so only the
+    /// token bucket takes one (its script's last ARGV). The others hand back
+    /// without one: their shared state restarts empty after a Redis restart.
+    pub fn takes_ceiling(self) -> bool {
+        self == Algorithm::TokenBucket
+    }
+
+    /// How a local bucket mirrors its shared state.
+    pub fn mirror(self) -> Mirror {
+        match self {
+            Algorithm::TokenBucket | Algorithm::Gcra => Mirror::TimeToFull,
+            Algorithm::FixedWindow | Algorithm::SlidingLog | Algorithm::SlidingWindow => {
+                Mirror::RoomLeft
+            }
+        }
+    }
+
+    /// The largest burst whose state fits the in-process store's 16 bytes
+    /// ([`Packed`]); `None`: it never fits (the log's state grows with
+    /// traffic).
+    pub fn max_packed_burst(self) -> Option<u64> {
+        match self {
+            Algorithm::TokenBucket | Algorithm::Gcra | Algorithm::FixedWindow => Some(u64::MAX),
+            // Two counts in one word.
+            Algorithm::SlidingWindow => Some(u64::from(u32::MAX)),
+            Algorithm::SlidingLog => None,
+        }
+    }
+
+    /// Whether its state under `limit` fits the in-process store's 16 bytes.
+    pub fn packs(self, limit: &Limit) -> bool {
+        self.max_packed_burst()
+            .is_some_and(|most| limit.burst() <= most)
+    }
+
+    /// Whether the racy GET/compute/SET store keeps it: the token bucket
+    /// only, since that store exists to measure the race, not to offer
+    /// algorithms.
+    pub fn has_naive_store(self) -> bool {
+        self == Algorithm::TokenBucket
+    }
+
+    /// Refuses a limit whose script would leave exact integers or whose
+    /// state would grow too large (every store's concern, checked at
+    /// start-up).
+    pub fn check_limit(self, limit: &Limit) -> Result<(), Unfit> {
+        match self {
+            Algorithm::SlidingWindow if !sliding_window::exact_in_lua(&limit.window()) => {
+                Err(Unfit::WindowTooLarge)
+            }
+            Algorithm::SlidingLog if limit.burst() > sliding_log::MAX_BURST => {
+                Err(Unfit::LogTooLarge)
+            }
+            _ => Ok(()),
         }
     }
 }
@@ -100,7 +196,7 @@ impl Window {
 /// Any algorithm's stored state.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum State {
-    /// [`crate::bucket`].
+    /// [`token_bucket`].
     Bucket(BucketState),
     /// [`gcra`].
     Gcra(gcra::GcraState),
@@ -122,14 +218,14 @@ pub fn check(
     cost: u64,
     now: Micros,
 ) -> Result<(Decision, Option<State>), CostExceedsBurst> {
-    let window = Window::of(limit);
+    let window = limit.window();
     Ok(match limit.algorithm() {
         Algorithm::TokenBucket => {
             let s = match state {
                 Some(State::Bucket(s)) => Some(s),
                 _ => None,
             };
-            let (d, next) = bucket::check(limit, s, cost, now)?;
+            let (d, next) = token_bucket::check(limit, s, cost, now)?;
             // The stores keep no key for a full bucket, and a denial
             // writes nothing.
             let kept = if !d.allowed {
@@ -174,19 +270,82 @@ pub fn check(
     })
 }
 
-fn cost_fits(window: &Window, cost: u64) -> Result<(), CostExceedsBurst> {
-    if cost > window.limit {
-        Err(CostExceedsBurst {
-            cost,
-            burst: window.limit,
-        })
-    } else {
-        Ok(())
-    }
+/// Why [`check_packed`] cannot decide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum PackedError {
+    /// The request can never fit the limit.
+    #[error(transparent)]
+    Cost(#[from] CostExceedsBurst),
+    /// This algorithm's state does not fit 16 bytes under this limit
+    /// ([`Algorithm::packs`]).
+    #[error("{} state does not fit the in-process store", .0.as_str())]
+    DoesNotPack(Algorithm),
 }
 
-fn micros(us: u64) -> std::time::Duration {
-    std::time::Duration::from_micros(us)
+/// [`check`] on a packed state, as the in-process store keeps it: returns
+/// the decision and the packed state to keep (`None`: no entry).
+///
+/// `ceiling` bounds a token bucket's level after refill (see
+/// [`token_bucket::check_within`]); other algorithms take none. A packed
+/// state is read as stored even past its `full_at` (a sweep drops it), so
+/// a clock stepping back into its window still finds it, as in Redis.
+pub fn check_packed(
+    limit: &Limit,
+    packed: Option<Packed>,
+    cost: u64,
+    now: Micros,
+    ceiling: Option<u64>,
+) -> Result<(Decision, Option<Packed>), PackedError> {
+    let algorithm = limit.algorithm();
+    if !algorithm.packs(limit) {
+        return Err(PackedError::DoesNotPack(algorithm));
+    }
+    let w = limit.window().window_us;
+    let (decision, next) = match algorithm {
+        // The hot path: no detour through `State`.
+        Algorithm::TokenBucket => {
+            let state = packed.map(|p| BucketState::unpack(p, limit));
+            let (d, next) =
+                token_bucket::check_within(limit, state, cost, now, ceiling.unwrap_or(u64::MAX))?;
+            let kept = if !d.allowed {
+                // A denial changes nothing: keep the entry as it is.
+                packed
+            } else if d.reset.is_zero() {
+                // Full again: the same as no entry.
+                None
+            } else {
+                Some(next.pack(limit))
+            };
+            return Ok((d, kept));
+        }
+        Algorithm::Gcra => check(
+            limit,
+            packed.map(|p| State::Gcra(gcra::GcraState::unpack(p))),
+            cost,
+            now,
+        )?,
+        Algorithm::FixedWindow => check(
+            limit,
+            packed.map(|p| State::Fixed(fixed_window::FixedState::unpack(p, w))),
+            cost,
+            now,
+        )?,
+        Algorithm::SlidingWindow => check(
+            limit,
+            packed.map(|p| State::Counter(sliding_window::CounterState::unpack(p, w))),
+            cost,
+            now,
+        )?,
+        Algorithm::SlidingLog => return Err(PackedError::DoesNotPack(algorithm)),
+    };
+    let next = match next {
+        None => None,
+        Some(State::Gcra(s)) => Some(s.pack()),
+        Some(State::Fixed(s)) => Some(s.pack()),
+        Some(State::Counter(s)) => Some(s.pack().ok_or(PackedError::DoesNotPack(algorithm))?),
+        Some(State::Bucket(_) | State::Log(_)) => return Err(PackedError::DoesNotPack(algorithm)),
+    };
+    Ok((decision, next))
 }
 
 #[cfg(test)]

@@ -12,10 +12,15 @@
 //! Time per key only moves forward: a `now` older than the newest entry is
 //! treated as that entry's instant.
 
-use super::{Window, cost_fits, micros};
-use crate::bucket::{CostExceedsBurst, Decision};
+use super::decision::Decision;
+use super::limit::{CostExceedsBurst, Window};
 use crate::clock::Micros;
 use std::collections::VecDeque;
+use std::time::Duration;
+
+/// The largest burst a `sliding_log` limit may have: its log holds one
+/// sorted-set member per token admitted in the window, per client.
+pub const MAX_BURST: u64 = 100_000;
 
 /// The admitted tokens' timestamps, oldest first (one entry per token).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -32,7 +37,7 @@ pub fn check(
     cost: u64,
     now: Micros,
 ) -> Result<(Decision, LogState), CostExceedsBurst> {
-    cost_fits(window, cost)?;
+    window.check_cost(cost)?;
     let w = window.window_us;
     let at = state.entries.back().map_or(now, |&newest| now.max(newest));
     // An entry at `t` counts in `(at - W, at]`: gone once `t + W <= at`.
@@ -58,8 +63,8 @@ pub fn check(
         limit: window.limit,
         // More entries than the limit (the policy was lowered) leave nothing.
         remaining: window.limit.saturating_sub(count),
-        retry_after: micros(retry),
-        reset: micros(reset),
+        retry_after: Duration::from_micros(retry),
+        reset: Duration::from_micros(reset),
     };
     Ok((decision, state))
 }

@@ -12,12 +12,20 @@
 //! admit. `loadtest compare` measures both.
 //!
 //! The comparison is done multiplied through by `W`, in integers, so it is
-//! exact: `prev × (W - e) + (cur + cost) × W <= limit × W`. Config keeps
-//! `limit × W` at most 2^53 so the Lua script computes the same integers.
+//! exact: `prev × (W - e) + (cur + cost) × W <= limit × W`. Limits keep
+//! `limit × W` at most 2^53 ([`exact_in_lua`], checked at start-up) so the
+//! Lua script computes the same integers.
 
-use super::{Window, cost_fits, micros};
-use crate::bucket::{CostExceedsBurst, Decision};
+use super::decision::{Decision, Packed};
+use super::limit::{CostExceedsBurst, MAX_EXACT, Window};
 use crate::clock::Micros;
+use std::time::Duration;
+
+/// Whether `window`'s exact comparison stays within what doubles (and so
+/// the Lua script) compute exactly: `limit × W` at most 2^53.
+pub fn exact_in_lua(window: &Window) -> bool {
+    u128::from(window.limit) * u128::from(window.window_us) <= u128::from(MAX_EXACT) * 2
+}
 
 /// The current window's index and count, and the previous window's count.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,6 +41,28 @@ pub struct CounterState {
     pub window_us: u64,
 }
 
+impl CounterState {
+    /// The state in 16 bytes, if both counts fit 32 bits: the counts side
+    /// by side, and the end of the next window (when both have expired).
+    pub fn pack(&self) -> Option<Packed> {
+        let fits = |n: u64| n <= u64::from(u32::MAX);
+        (fits(self.cur) && fits(self.prev)).then(|| Packed {
+            word: (self.cur << 32) | self.prev,
+            full_at: (self.index + 2) * self.window_us,
+        })
+    }
+
+    /// The state [`CounterState::pack`] packed under window length `w`.
+    pub fn unpack(packed: Packed, w: u64) -> Self {
+        Self {
+            index: (packed.full_at / w).saturating_sub(2),
+            cur: packed.word >> 32,
+            prev: packed.word & u64::from(u32::MAX),
+            window_us: w,
+        }
+    }
+}
+
 /// Decide one request of `cost` at `now`; returns the decision and the
 /// state to store.
 pub fn check(
@@ -41,7 +71,7 @@ pub fn check(
     cost: u64,
     now: Micros,
 ) -> Result<(Decision, Option<CounterState>), CostExceedsBurst> {
-    cost_fits(window, cost)?;
+    window.check_cost(cost)?;
     let (w, limit) = (window.window_us, window.limit);
     // A state made under another window length reads as none.
     let state = state.filter(|s| s.window_us == w);
@@ -92,8 +122,8 @@ pub fn check(
         allowed,
         limit,
         remaining,
-        retry_after: micros(retry_at - now),
-        reset: micros(reset_at.saturating_sub(now)),
+        retry_after: Duration::from_micros(retry_at - now),
+        reset: Duration::from_micros(reset_at.saturating_sub(now)),
     };
     // Only an admission that spends writes (as the script does); a stale
     // stored window reads the same as its advanced form.

@@ -1,4 +1,7 @@
 use super::*;
+use crate::algorithm::Limit;
+use clap::Parser;
+use std::time::Duration;
 
 #[test]
 fn no_file_gives_the_documented_defaults() {
@@ -15,10 +18,15 @@ fn no_file_gives_the_documented_defaults() {
     );
     assert!(c.trusted_proxies.is_empty());
     assert!(c.key_secret.is_none());
-    assert_eq!(c.policies, default_policies());
+    assert_eq!(c.policies.len(), 1, "one built-in policy");
     let p = &c.policies[0];
-    assert_eq!((p.route.as_str(), p.cost), ("/api/", 1));
+    assert_eq!(
+        (p.name.as_str(), p.route.as_str(), p.cost),
+        ("api", "/api/", 1)
+    );
     assert_eq!(p.limit, Some(Limit::per_second(100, 10).unwrap()));
+    assert_eq!(p.anonymous, p.limit);
+    assert!(p.methods.is_empty() && p.failure_mode.is_none());
 }
 
 #[test]

@@ -1,12 +1,14 @@
-//! What the limiter does when its shared store misbehaves: a wrapper around
-//! a [`Store`] with a deadline, a circuit breaker and a failure mode.
+//! What the limiter does when its shared store misbehaves: store wrappers
+//! for a deadline ([`Deadline`]) and a circuit breaker with failure modes
+//! ([`Failover`]), stacked around the Redis store in `server.rs`.
 //!
 //! A limiter that stalls or vanishes with Redis is worse than none. Every
-//! Redis check here has a deadline (default 10 ms, against a loopback round
-//! trip of ~0.1 ms): a request never waits on Redis longer than that. A
-//! check that fails or misses it is decided by the policy's failure mode, and
-//! so is every check while the [`Breaker`] is open (after repeated failures
-//! nobody calls Redis for a cooldown; then one probe does).
+//! Redis check has a deadline (default 10 ms, against a loopback round trip
+//! of ~0.1 ms): a request never waits on Redis longer than that. A check
+//! that fails or misses it is decided by the policy's failure mode (carried
+//! by the [`Check`]), and so is every check while the [`Breaker`] is open
+//! (after repeated failures nobody calls Redis for a cooldown; then one
+//! probe does).
 //!
 //! | mode | while Redis is away | the risk it takes |
 //! |---|---|---|
@@ -14,7 +16,7 @@
 //! | `closed` | 503 + `Retry-After` (the client is not at fault) | a Redis blip is an outage |
 //! | `local` (default) | each instance enforces its share of the limit in memory | the fleet's admission is bounded near the limit if traffic is spread evenly |
 //!
-//! # The local share
+//! # The local share ([`LocalShare`])
 //! With `instances` = N expected instances, a local bucket holds
 //! `max(burst / N, cost, 1)` tokens and refills at `rate / N`: N instances
 //! behind a balancer admit about the policy's limit between them. Fewer
@@ -34,7 +36,7 @@
 //! its data while unreachable) or absent (restarted empty), which reads as
 //! full: the client, having spent its local share, would get a second whole
 //! burst. So while a client's local bucket is not yet full again, each Redis
-//! check carries a ceiling ([`crate::bucket::check_within`]): the shared
+//! check carries a ceiling ([`Check::ceiling`]): the shared
 //! level that would be full again when the local bucket is. For a client
 //! that only ever mirrored Redis that is Redis's own level (so it never
 //! binds); for one that spent its local share it is what the fallback left.
@@ -46,66 +48,18 @@
 //! Redis restart (a fresh window).
 
 mod breaker;
+mod deadline;
+mod local;
 
 pub use breaker::{Breaker, BreakerState, Permit, Transition};
+pub use deadline::Deadline;
+pub use local::{LocalShare, share, try_share};
 
-use crate::algorithm::Algorithm;
-use crate::bucket::{Decision, Limit, LimitError};
 use crate::clock::Micros;
 use crate::metrics as m;
-use crate::store::{BucketKey, MemoryStore, Store, StoreError};
-use serde::Deserialize;
-use std::sync::atomic::{AtomicU64, Ordering};
+use crate::store::{BoxFuture, Check, Checked, FailureMode, Source, Store, StoreError};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
-
-/// What a policy does while its shared store cannot decide.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum FailureMode {
-    /// Admit (and say so in the metrics).
-    Open,
-    /// Refuse with 503 and `Retry-After`.
-    Closed,
-    /// Enforce this instance's share of the limit in memory.
-    Local,
-}
-
-impl FailureMode {
-    /// The name used in config and logs.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FailureMode::Open => "open",
-            FailureMode::Closed => "closed",
-            FailureMode::Local => "local",
-        }
-    }
-}
-
-/// Who decided a request (the `source` metric label).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Source {
-    /// The shared store (Redis).
-    Redis,
-    /// The in-process store, as the configured backend.
-    Memory,
-    /// This instance's share, while Redis is away.
-    Local,
-    /// Nobody: admitted because Redis is away and the mode is `open`.
-    FailOpen,
-}
-
-impl Source {
-    /// The metric label.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Source::Redis => "redis",
-            Source::Memory => "memory",
-            Source::Local => "local",
-            Source::FailOpen => "failopen",
-        }
-    }
-}
 
 /// The failure policy's settings (validated config).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -134,304 +88,162 @@ impl Default for FailoverSettings {
     }
 }
 
-/// A decision and who made it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Checked {
-    /// The decision (`None` when failing open: nothing was counted).
-    pub decision: Option<Decision>,
-    /// The limit the decision applied (the local share when `Local`).
-    pub limit: Limit,
-    /// Who decided.
-    pub source: Source,
-}
-
-/// Why no decision could be made.
-#[derive(Debug, thiserror::Error)]
-pub enum FailoverError {
-    /// The shared store is away and the mode is `closed`.
-    #[error("the shared store is unavailable")]
-    Unavailable {
-        /// When a retry may succeed (the breaker's next probe, at least 1 s).
-        retry_after: Duration,
-    },
-    /// The store refused the request itself (not a store failure).
-    #[error(transparent)]
-    Store(StoreError),
-}
-
-/// The local share of `limit` among `instances` (see the module docs).
-pub fn share(limit: &Limit, instances: u64, cost: u64) -> Limit {
-    // Config validation builds every policy's share at start-up, so this
-    // cannot fail at run time; the whole limit is the fallback only for a
-    // limit built without that validation.
-    try_share(limit, instances, cost).unwrap_or(limit.with_algorithm(Algorithm::TokenBucket))
-}
-
-/// [`share`], or why its limit cannot be represented (`burst × period × N`
-/// beyond what the integer arithmetic keeps exact).
-pub fn try_share(limit: &Limit, instances: u64, cost: u64) -> Result<Limit, LimitError> {
-    // Whatever the policy's algorithm, the local share is a token bucket:
-    // the in-process store keeps that one, and its mirror and ceiling are
-    // bucket levels.
-    let limit = limit.with_algorithm(Algorithm::TokenBucket);
-    if instances <= 1 {
-        return Ok(limit);
-    }
-    // At least one token (or the cost) each: with a burst below N the fleet
-    // can pass up to N of them between its local shares.
-    let burst = (limit.burst() / instances).max(cost).max(1);
-    // rate / (period × N), in the limit's own units: period_us is the
-    // reduced period, rate_units_per_us the reduced rate.
-    let period_us = limit
-        .units_per_token()
-        .checked_mul(instances)
-        .ok_or(LimitError::TooLarge)?;
-    Limit::new(
-        burst,
-        limit.rate_units_per_us(),
-        Duration::from_micros(period_us),
-    )
-}
-
-/// A store wrapped in a deadline, a breaker and failure modes.
-#[derive(Debug)]
-pub struct Failover {
-    primary: Arc<dyn Store>,
-    source: Source,
-    /// `None` for an in-process primary: there is nothing to fail over from.
-    guard: Option<Guard>,
+/// A shared handle on a [`Failover`]'s breaker: what `/readyz` reports.
+#[derive(Debug, Clone)]
+pub struct BreakerHandle {
+    shared: Arc<BreakerCell>,
 }
 
 #[derive(Debug)]
-struct Guard {
-    settings: FailoverSettings,
+struct BreakerCell {
     breaker: Mutex<Breaker>,
-    local: MemoryStore,
-    /// Until when some local bucket may be below full: ceilings are looked
-    /// up only before this instant, so the normal path costs one atomic load.
-    local_until: AtomicU64,
     /// The breaker's clock: monotonic, so a wall clock stepping back cannot
     /// hold it open (bucket state uses the wall clock `now`, shared with
     /// other instances; the breaker is this process's alone).
     epoch: tokio::time::Instant,
 }
 
-impl Failover {
-    /// Wraps `primary`. An in-memory primary is used as is; any other gets
-    /// the deadline, the breaker and a local store of `local_keys` buckets.
-    pub fn new(
-        primary: Arc<dyn Store>,
-        settings: FailoverSettings,
-        local_keys: usize,
-        local_shards: usize,
-    ) -> Self {
-        let in_process = primary.in_process();
-        let guard = (!in_process).then(|| {
-            metrics::gauge!(m::FALLBACK_ACTIVE).set(0.0);
-            metrics::gauge!(m::BREAKER_STATE).set(BreakerState::Closed.gauge());
-            Guard {
-                breaker: Mutex::new(Breaker::new(
-                    settings.breaker_failures,
-                    settings.breaker_cooldown,
-                )),
-                settings,
-                local: MemoryStore::new(local_keys, local_shards),
-                local_until: AtomicU64::new(0),
-                epoch: tokio::time::Instant::now(),
-            }
-        });
+impl BreakerHandle {
+    fn new(failures: u32, cooldown: Duration) -> Self {
+        metrics::gauge!(m::FALLBACK_ACTIVE).set(0.0);
+        metrics::gauge!(m::BREAKER_STATE).set(BreakerState::Closed.gauge());
         Self {
-            primary,
-            source: if in_process {
-                Source::Memory
-            } else {
-                Source::Redis
-            },
-            guard,
+            shared: Arc::new(BreakerCell {
+                breaker: Mutex::new(Breaker::new(failures, cooldown)),
+                epoch: tokio::time::Instant::now(),
+            }),
         }
     }
 
-    /// The primary's backend name.
-    pub fn backend(&self) -> &'static str {
-        self.primary.backend()
+    /// The breaker's state now.
+    pub fn state(&self) -> BreakerState {
+        self.lock().state()
     }
 
-    /// Whether the primary can decide right now.
-    pub async fn ready(&self) -> Result<(), StoreError> {
-        self.primary.ready().await
-    }
-
-    /// The breaker's state (`Closed` for an in-process primary).
-    pub fn breaker_state(&self) -> BreakerState {
-        self.guard.as_ref().map_or(BreakerState::Closed, |g| {
-            g.breaker
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .state()
-        })
-    }
-
-    /// Decide `cost` for `key` under `limit` at `now`; `mode` says what to
-    /// do if the primary cannot.
-    pub async fn check(
-        &self,
-        key: BucketKey,
-        limit: Limit,
-        cost: u64,
-        now: Micros,
-        mode: FailureMode,
-    ) -> Result<Checked, FailoverError> {
-        let Some(guard) = &self.guard else {
-            let decision = self
-                .primary
-                .check(key, limit, cost, now)
-                .await
-                .map_err(FailoverError::Store)?;
-            return Ok(Checked {
-                decision: Some(decision),
-                limit,
-                source: self.source,
-            });
-        };
-        let permit = guard.permit(guard.monotonic());
-        if permit != Permit::Skip {
-            let ceiling = guard.ceiling(key, &limit, cost, now);
-            let call = self.primary.check_within(key, limit, cost, now, ceiling);
-            let kind = match tokio::time::timeout(guard.settings.deadline, call).await {
-                Ok(Ok(decision)) => {
-                    guard.report(|b| b.success(permit));
-                    guard.mirror(key, &limit, cost, &decision, now);
-                    return Ok(Checked {
-                        decision: Some(decision),
-                        limit,
-                        source: self.source,
-                    });
-                }
-                // The request itself is at fault, not the store (which
-                // answered, so a probe has its answer).
-                Ok(Err(e)) if e.is_request_error() => {
-                    guard.report(|b| b.success(permit));
-                    return Err(FailoverError::Store(e));
-                }
-                Ok(Err(e)) => e.kind(),
-                Err(_elapsed) => "deadline",
-            };
-            metrics::counter!(m::STORE_ERRORS_TOTAL, "backend" => self.primary.backend(), "kind" => kind)
-                .increment(1);
-            tracing::debug!(kind, ?permit, "redis check failed");
-            let at = guard.monotonic();
-            guard.report(|b| b.failure(permit, at));
-        }
-        guard.fall_back(key, limit, cost, now, mode)
-    }
-}
-
-impl Guard {
-    /// Microseconds on the breaker's monotonic clock.
-    fn monotonic(&self) -> Micros {
-        u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
-    }
-
-    fn permit(&self, now: Micros) -> Permit {
-        let (permit, transition) = self
+    fn lock(&self) -> std::sync::MutexGuard<'_, Breaker> {
+        self.shared
             .breaker
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .permit(now);
+    }
+
+    /// Microseconds on the breaker's monotonic clock.
+    fn monotonic(&self) -> Micros {
+        u64::try_from(self.shared.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
+    }
+
+    fn permit(&self) -> Permit {
+        let now = self.monotonic();
+        let (permit, transition) = self.lock().permit(now);
         if let Some(t) = transition {
             record(t);
         }
         permit
     }
 
-    fn report(&self, f: impl FnOnce(&mut Breaker) -> Option<Transition>) {
-        let transition = f(&mut self.breaker.lock().unwrap_or_else(PoisonError::into_inner));
+    fn success(&self, permit: Permit) {
+        let transition = self.lock().success(permit);
         if let Some(t) = transition {
             record(t);
         }
     }
 
-    /// Keeps the local share at the shared bucket's level (as time to full),
-    /// so that losing Redis does not hand every client a fresh local burst.
-    fn mirror(&self, key: BucketKey, limit: &Limit, cost: u64, decision: &Decision, now: Micros) {
-        let share = share(limit, self.settings.instances, cost);
-        match limit.algorithm() {
-            // A bucket: the same time until full.
-            Algorithm::TokenBucket | Algorithm::Gcra => {
-                let reset = u64::try_from(decision.reset.as_micros()).unwrap_or(u64::MAX);
-                self.local.set_reset(key, &share, reset, now);
-            }
-            // A window's "reset" is when its count clears, not a refill:
-            // mirror the room left instead, as the same fraction of the share.
-            Algorithm::FixedWindow | Algorithm::SlidingLog | Algorithm::SlidingWindow => {
-                let room = u128::from(decision.remaining.min(decision.limit))
-                    * u128::from(share.capacity_units())
-                    / u128::from(decision.limit.max(1));
-                self.local.set_level(key, &share, room as u64, now);
-            }
+    fn failure(&self, permit: Permit) {
+        let now = self.monotonic();
+        let transition = self.lock().failure(permit, now);
+        if let Some(t) = transition {
+            record(t);
         }
     }
 
-    /// The ceiling for a shared token bucket while the local one refills:
-    /// the level that is full again when the local bucket is. Mirroring
-    /// sets the local bucket by the same time to full, so for a client that
-    /// never fell back the ceiling is the shared level itself (less one
-    /// microsecond of refill, so it cannot bind by rounding), and for one
-    /// that spent its local share it is what the fallback left.
-    fn ceiling(&self, key: BucketKey, limit: &Limit, cost: u64, now: Micros) -> Option<u64> {
-        if limit.algorithm() != Algorithm::TokenBucket
-            || now >= self.local_until.load(Ordering::Relaxed)
-        {
-            return None;
+    /// How long until the next probe may go out.
+    fn wait(&self) -> Duration {
+        let now = self.monotonic();
+        self.lock().wait(now)
+    }
+}
+
+/// A shared store wrapped in a circuit breaker and the failure modes, with
+/// this instance's [`LocalShare`] mirrored beside it. A store itself: put a
+/// [`Deadline`] under it, so that a hung store fails instead of waiting.
+#[derive(Debug)]
+pub struct Failover<S> {
+    inner: S,
+    breaker: BreakerHandle,
+    local: LocalShare,
+}
+
+impl<S> Failover<S> {
+    /// Wraps `inner`, with the breaker and the local share `settings` and
+    /// `local` describe.
+    pub fn new(inner: S, settings: &FailoverSettings, local: LocalShare) -> Self {
+        Self {
+            inner,
+            breaker: BreakerHandle::new(settings.breaker_failures, settings.breaker_cooldown),
+            local,
         }
-        let share = share(limit, self.settings.instances, cost);
-        let level = self.local.level(key, &share, now)?;
-        let to_full = (share.capacity_units() - level.min(share.capacity_units()))
-            / share.rate_units_per_us();
-        let deficit = u128::from(to_full.saturating_sub(1)) * u128::from(limit.rate_units_per_us());
-        Some(u128::from(limit.capacity_units()).saturating_sub(deficit) as u64)
     }
 
-    fn fall_back(
-        &self,
-        key: BucketKey,
-        limit: Limit,
-        cost: u64,
-        now: Micros,
-        mode: FailureMode,
-    ) -> Result<Checked, FailoverError> {
-        match mode {
+    /// A handle on the breaker (its state, for `/readyz`).
+    pub fn breaker(&self) -> BreakerHandle {
+        self.breaker.clone()
+    }
+
+    /// Decides `check` by its failure mode, without the shared store.
+    fn fall_back(&self, check: &Check) -> Result<Checked, StoreError> {
+        match check.on_failure {
             FailureMode::Open => Ok(Checked {
                 decision: None,
-                limit,
+                limit: check.limit,
                 source: Source::FailOpen,
             }),
-            FailureMode::Closed => {
-                let wait = self
-                    .breaker
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .wait(self.monotonic());
-                Err(FailoverError::Unavailable {
-                    retry_after: wait.max(Duration::from_secs(1)),
-                })
-            }
-            FailureMode::Local => {
-                let share = share(&limit, self.settings.instances, cost);
-                let decision = self
-                    .local
-                    .check_sync(key, &share, cost, now)
-                    .map_err(|e| FailoverError::Store(e.into()))?;
-                let full_at = now
-                    .saturating_add(u64::try_from(decision.reset.as_micros()).unwrap_or(u64::MAX));
-                self.local_until.fetch_max(full_at, Ordering::Relaxed);
-                Ok(Checked {
-                    decision: Some(decision),
-                    limit: share,
-                    source: Source::Local,
-                })
-            }
+            FailureMode::Closed => Err(StoreError::Unavailable {
+                retry_after: self.breaker.wait().max(Duration::from_secs(1)),
+            }),
+            FailureMode::Local => self.local.decide(check),
         }
+    }
+}
+
+impl<S: Store> Store for Failover<S> {
+    fn check(&self, check: Check) -> BoxFuture<'_, Result<Checked, StoreError>> {
+        Box::pin(async move {
+            let permit = self.breaker.permit();
+            if permit != Permit::Skip {
+                let ceiling = match (check.ceiling, self.local.ceiling(&check)) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
+                match self.inner.check(check.with_ceiling(ceiling)).await {
+                    Ok(checked) => {
+                        self.breaker.success(permit);
+                        if let Some(decision) = &checked.decision {
+                            self.local.mirror(&check, decision);
+                        }
+                        return Ok(checked);
+                    }
+                    // The request itself is at fault, not the store (which
+                    // answered, so a probe has its answer).
+                    Err(e) if e.is_request_error() => {
+                        self.breaker.success(permit);
+                        return Err(e);
+                    }
+                    Err(e) => {
+                        tracing::debug!(kind = e.kind(), ?permit, "redis check failed");
+                        self.breaker.failure(permit);
+                    }
+                }
+            }
+            self.fall_back(&check)
+        })
+    }
+
+    fn backend(&self) -> &'static str {
+        self.inner.backend()
+    }
+
+    fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        self.inner.ready()
     }
 }
 

@@ -4,9 +4,10 @@
 //! and start-up without Redis in `tests/process.rs`.)
 
 use super::*;
-use crate::algorithm::Algorithm;
-use crate::store::BoxFuture;
-use std::sync::atomic::AtomicU32;
+use crate::algorithm::{Algorithm, Limit};
+use crate::key::BucketKey;
+use crate::store::MemoryStore;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 const T0: Micros = 1_800_000_000_000_000;
 const SEC: Micros = 1_000_000;
@@ -48,20 +49,17 @@ impl Switch {
 }
 
 impl Store for Switch {
-    fn check_within(
-        &self,
-        key: BucketKey,
-        limit: Limit,
-        cost: u64,
-        now: Micros,
-        ceiling: Option<u64>,
-    ) -> BoxFuture<'_, Result<Decision, StoreError>> {
+    fn check(&self, check: Check) -> BoxFuture<'_, Result<Checked, StoreError>> {
         self.calls.fetch_add(1, Ordering::Relaxed);
         let health = *self.health.lock().unwrap();
         let inner = Arc::clone(&self.inner.lock().unwrap());
         Box::pin(async move {
             match health {
-                Health::Up => inner.check_within(key, limit, cost, now, ceiling).await,
+                // It plays a Redis: its answers are the shared store's.
+                Health::Up => inner.check(check).await.map(|checked| Checked {
+                    source: Source::Redis,
+                    ..checked
+                }),
                 Health::Refusing => Err(StoreError::Redis(::redis::RedisError::from(
                     std::io::Error::from(std::io::ErrorKind::ConnectionRefused),
                 ))),
@@ -85,20 +83,34 @@ fn settings(instances: u64) -> FailoverSettings {
     }
 }
 
-fn failover(store: &Arc<Switch>, instances: u64) -> Failover {
+/// The stack `server.rs` builds around a shared store, on the switch.
+fn failover(store: &Arc<Switch>, instances: u64) -> Failover<Deadline<Arc<Switch>>> {
+    let settings = settings(instances);
     Failover::new(
-        Arc::clone(store) as Arc<dyn Store>,
-        settings(instances),
-        1000,
-        1,
+        Deadline::new(Arc::clone(store), settings.deadline),
+        &settings,
+        LocalShare::new(instances, 1000, 1),
     )
 }
 
+/// One check of `cost` for `key` under `limit` at `now`, failing by `mode`.
+async fn check(
+    f: &impl Store,
+    key: u128,
+    limit: Limit,
+    cost: u64,
+    now: Micros,
+    mode: FailureMode,
+) -> Result<Checked, StoreError> {
+    f.check(Check::new(BucketKey(key), limit, cost, now).on_failure(mode))
+        .await
+}
+
 /// Spends as much as admitted: `n` requests at `now`; returns how many passed.
-async fn burst(f: &Failover, limit: Limit, n: u32, now: Micros, mode: FailureMode) -> u32 {
+async fn burst(f: &impl Store, limit: Limit, n: u32, now: Micros, mode: FailureMode) -> u32 {
     let mut admitted = 0;
     for _ in 0..n {
-        let checked = f.check(BucketKey(7), limit, 1, now, mode).await;
+        let checked = check(f, 7, limit, 1, now, mode).await;
         if matches!(checked, Ok(Checked { decision: Some(d), .. }) if d.allowed) {
             admitted += 1;
         }
@@ -118,7 +130,11 @@ fn n_local_shares_admit_at_most_the_limit_between_them() {
         for step in 0..=1000u64 {
             let now = T0 + step * 10_000;
             for s in &stores {
-                while s.check_sync(BucketKey(1), &share, 1, now).unwrap().allowed {
+                while s
+                    .decide(&Check::new(BucketKey(1), share, 1, now))
+                    .unwrap()
+                    .allowed
+                {
                     admitted += 1;
                 }
             }
@@ -141,8 +157,7 @@ async fn a_hung_store_costs_a_request_the_deadline_and_no_more() {
     let limit = Limit::per_second(10, 1).unwrap();
     store.set(Health::Hung);
     let started = tokio::time::Instant::now();
-    let checked = f
-        .check(BucketKey(1), limit, 1, T0, FailureMode::Local)
+    let checked = check(&f, 1, limit, 1, T0, FailureMode::Local)
         .await
         .unwrap();
     assert_eq!(started.elapsed(), Duration::from_millis(20));
@@ -157,17 +172,16 @@ async fn the_breaker_stops_calling_a_failing_store_then_probes_once() {
     let limit = Limit::per_second(1000, 1).unwrap();
     store.set(Health::Hung);
     for _ in 0..3 {
-        f.check(BucketKey(1), limit, 1, T0, FailureMode::Local)
+        check(&f, 1, limit, 1, T0, FailureMode::Local)
             .await
             .unwrap();
     }
     assert_eq!(store.calls(), 3);
-    assert_eq!(f.breaker_state(), BreakerState::Open);
+    assert_eq!(f.breaker().state(), BreakerState::Open);
     // Open: requests are decided at once, without a call.
     let started = tokio::time::Instant::now();
     for i in 0..50 {
-        let c = f
-            .check(BucketKey(1), limit, 1, T0 + i, FailureMode::Local)
+        let c = check(&f, 1, limit, 1, T0 + i, FailureMode::Local)
             .await
             .unwrap();
         assert_eq!(c.source, Source::Local);
@@ -178,13 +192,12 @@ async fn the_breaker_stops_calling_a_failing_store_then_probes_once() {
     // out; it finds the store back.
     tokio::time::advance(Duration::from_millis(500)).await;
     store.set(Health::Up);
-    let c = f
-        .check(BucketKey(1), limit, 1, T0 + SEC / 2, FailureMode::Local)
+    let c = check(&f, 1, limit, 1, T0 + SEC / 2, FailureMode::Local)
         .await
         .unwrap();
     assert_eq!(c.source, Source::Redis);
     assert_eq!(store.calls(), 4);
-    assert_eq!(f.breaker_state(), BreakerState::Closed);
+    assert_eq!(f.breaker().state(), BreakerState::Closed);
 }
 
 #[tokio::test(start_paused = true)]
@@ -194,16 +207,12 @@ async fn each_mode_answers_for_itself_while_the_store_refuses() {
     let limit = Limit::per_second(40, 4).unwrap();
     store.set(Health::Refusing);
 
-    let open = f
-        .check(BucketKey(1), limit, 1, T0, FailureMode::Open)
-        .await
-        .unwrap();
+    let open = check(&f, 1, limit, 1, T0, FailureMode::Open).await.unwrap();
     assert_eq!(open.source, Source::FailOpen);
     assert_eq!(open.decision, None, "failing open counts nothing");
 
-    let Err(FailoverError::Unavailable { retry_after }) = f
-        .check(BucketKey(1), limit, 1, T0, FailureMode::Closed)
-        .await
+    let Err(StoreError::Unavailable { retry_after }) =
+        check(&f, 1, limit, 1, T0, FailureMode::Closed).await
     else {
         panic!("closed must refuse");
     };
@@ -213,8 +222,7 @@ async fn each_mode_answers_for_itself_while_the_store_refuses() {
     // so its share starts full), then the share's rate (1/s).
     assert_eq!(burst(&f, limit, 20, T0, FailureMode::Local).await, 10);
     assert_eq!(burst(&f, limit, 20, T0 + SEC, FailureMode::Local).await, 1);
-    let c = f
-        .check(BucketKey(1), limit, 1, T0 + SEC, FailureMode::Local)
+    let c = check(&f, 1, limit, 1, T0 + SEC, FailureMode::Local)
         .await
         .unwrap();
     assert_eq!(c.source, Source::Local);
@@ -248,7 +256,7 @@ async fn redis_returning_grants_no_fresh_burst() {
         tokio::time::advance(Duration::from_secs(1)).await;
         let back = T0 + 2 * SEC;
         let admitted = burst(&f, limit, 40, back, local).await;
-        assert_eq!(f.breaker_state(), BreakerState::Closed);
+        assert_eq!(f.breaker().state(), BreakerState::Closed);
         // The local bucket refilled 1 of 10 tokens in the second since:
         // the shared bucket may hold a tenth of its capacity, 3 tokens.
         assert_eq!(admitted, 3, "restarted={restarted}");
@@ -257,24 +265,6 @@ async fn redis_returning_grants_no_fresh_burst() {
         let later = back + 10 * SEC;
         assert_eq!(burst(&f, limit, 40, later, local).await, 30);
     }
-}
-
-#[tokio::test]
-async fn an_in_process_primary_is_used_as_is() {
-    let memory: Arc<dyn Store> = Arc::new(MemoryStore::new(10, 1));
-    let f = Failover::new(memory, settings(3), 10, 1);
-    let limit = Limit::per_second(5, 1).unwrap();
-    let c = f
-        .check(BucketKey(1), limit, 1, T0, FailureMode::Closed)
-        .await
-        .unwrap();
-    assert_eq!(c.source, Source::Memory);
-    assert_eq!(c.limit, limit, "no share: memory is not a fallback");
-    assert!(matches!(
-        f.check(BucketKey(1), limit, 6, T0, FailureMode::Local)
-            .await,
-        Err(FailoverError::Store(StoreError::CostExceedsBurst(_)))
-    ));
 }
 
 /// Window algorithms mirror the room their window has left, not their
@@ -313,17 +303,13 @@ async fn the_ceiling_spares_clients_that_never_fell_back() {
     assert_eq!(burst(&f, limit, 5, T0, local).await, 5);
     // Another client meets a refusing Redis once: the ceiling is now live.
     store.set(Health::Refusing);
-    let c = f
-        .check(BucketKey(2), limit, 1, T0 + 1, local)
-        .await
-        .unwrap();
+    let c = check(&f, 2, limit, 1, T0 + 1, local).await.unwrap();
     assert_eq!(c.source, Source::Local);
     store.set(Health::Up);
     // The victim, still decided by Redis, spends its refill (one per
     // second) and keeps the other half of its bucket.
     for second in 1..=9 {
-        let c = f
-            .check(BucketKey(7), limit, 1, T0 + second * SEC, local)
+        let c = check(&f, 7, limit, 1, T0 + second * SEC, local)
             .await
             .unwrap();
         assert_eq!(c.source, Source::Redis);
@@ -342,17 +328,16 @@ async fn the_breaker_ignores_wall_clock_steps() {
     let limit = Limit::per_second(1000, 1).unwrap();
     store.set(Health::Refusing);
     for _ in 0..3 {
-        f.check(BucketKey(1), limit, 1, T0, FailureMode::Local)
+        check(&f, 1, limit, 1, T0, FailureMode::Local)
             .await
             .unwrap();
     }
-    assert_eq!(f.breaker_state(), BreakerState::Open);
+    assert_eq!(f.breaker().state(), BreakerState::Open);
     store.set(Health::Up);
     tokio::time::advance(Duration::from_millis(500)).await;
-    let c = f
-        .check(BucketKey(1), limit, 1, T0 - 3600 * SEC, FailureMode::Local)
+    let c = check(&f, 1, limit, 1, T0 - 3600 * SEC, FailureMode::Local)
         .await
         .unwrap();
     assert_eq!(c.source, Source::Redis);
-    assert_eq!(f.breaker_state(), BreakerState::Closed);
+    assert_eq!(f.breaker().state(), BreakerState::Closed);
 }

@@ -1,170 +1,240 @@
-//! Where bucket state lives, behind one narrow trait.
+//! Where limit state lives, behind one narrow trait, and the request and
+//! answer that flow through every layer of the store stack.
 //!
-//! A store answers one question: "check `cost` against bucket `key` shaped
-//! `limit` at `now`". It does not pick keys, read clocks or decide what a
-//! failure means; those belong to the limiter and to wrappers around a store.
-//! The trait is object safe (boxed futures) so the backend can be chosen at
-//! start-up from the config; the in-memory store also exposes a synchronous
-//! method for callers that can use it directly.
+//! A store answers one question, asked as a [`Check`]: "decide `cost` for
+//! bucket `key` under `limit` at `now`". It does not pick keys, read clocks
+//! or shape responses; those belong to the limiter and the middleware.
+//!
+//! Stores stack the way tower layers do: a wrapper holds a store and is a
+//! [`Store`] itself, so the layers are assembled in one place at start-up
+//! (`server.rs`) and each stays a room of its own:
+//!
+//! ```text
+//! Failover<Counted<Deadline<LuaStore>>>   (backend lua or naive)
+//! Counted<MemoryStore>                    (backend memory)
+//! ```
+//!
+//! - [`MemoryStore`], [`LuaStore`], [`NaiveStore`]: the backends;
+//! - [`Counted`]: counts every error of what it wraps, by kind: the one
+//!   place store errors are counted;
+//! - [`crate::failover`]: the deadline per call, and the circuit breaker
+//!   with the failure modes and the local share.
+//!
+//! The trait is object safe (boxed futures) so the stack can be chosen at
+//! start-up from the config and held as `Arc<dyn Store>`.
 
-mod memory;
+mod counted;
+mod error;
+pub mod memory;
 pub mod redis;
 
+pub use crate::key::BucketKey;
+pub use counted::Counted;
+pub use error::{StoreError, redis_error_kind};
 pub use memory::MemoryStore;
 pub use redis::{LuaStore, NaiveStore};
 
-use crate::bucket::{CostExceedsBurst, Decision, Limit};
+use crate::algorithm::{Algorithm, Decision, Limit};
 use crate::clock::Micros;
+use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 
 /// A boxed, sendable future, as returned by [`Store::check`].
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
-/// The key of one bucket: a keyed 128-bit hash of (policy, client identity).
-///
-/// Being a keyed hash, it is uniformly distributed and cannot be steered by
-/// clients, which is what lets stores use its bits directly for sharding and
-/// hashing, and it never reveals the credential or address it came from.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct BucketKey(pub u128);
-
-impl fmt::Debug for BucketKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "BucketKey({self})")
-    }
+/// What a policy does while its shared store cannot decide. Carried by
+/// every [`Check`]; acted on by [`crate::failover::Failover`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FailureMode {
+    /// Admit (and say so in the metrics).
+    Open,
+    /// Refuse with 503 and `Retry-After`.
+    Closed,
+    /// Enforce this instance's share of the limit in memory (the default).
+    #[default]
+    Local,
 }
 
-impl fmt::Display for BucketKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:032x}", self.0)
-    }
-}
-
-/// Why a store could not decide.
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    /// The request can never fit the bucket (a configuration error).
-    #[error(transparent)]
-    CostExceedsBurst(#[from] CostExceedsBurst),
-    /// Redis failed or did not answer in time.
-    #[error("redis: {0}")]
-    Redis(#[from] ::redis::RedisError),
-    /// This store implements the token bucket only (config validation
-    /// refuses other algorithms with such a backend).
-    #[error("the {backend} store does not implement {algorithm}")]
-    UnsupportedAlgorithm {
-        /// The store's backend name.
-        backend: &'static str,
-        /// The algorithm asked for.
-        algorithm: &'static str,
-    },
-}
-
-impl StoreError {
-    /// Whether the request itself is at fault (configuration), not the
-    /// store: such errors are not failures to fail over from.
-    pub fn is_request_error(&self) -> bool {
-        matches!(
-            self,
-            StoreError::CostExceedsBurst(_) | StoreError::UnsupportedAlgorithm { .. }
-        )
-    }
-
-    /// Refuses anything but the token bucket (for stores that only have it).
-    pub fn token_bucket_only(backend: &'static str, limit: &Limit) -> Result<(), StoreError> {
-        match limit.algorithm() {
-            crate::algorithm::Algorithm::TokenBucket => Ok(()),
-            other => Err(StoreError::UnsupportedAlgorithm {
-                backend,
-                algorithm: other.as_str(),
-            }),
-        }
-    }
-
-    /// The bounded label used for this error in metrics.
-    pub fn kind(&self) -> &'static str {
+impl FailureMode {
+    /// The name used in config and logs.
+    pub fn as_str(self) -> &'static str {
         match self {
-            StoreError::CostExceedsBurst(_) => "cost_exceeds_burst",
-            StoreError::UnsupportedAlgorithm { .. } => "unsupported_algorithm",
-            StoreError::Redis(e) => redis_error_kind(e),
+            FailureMode::Open => "open",
+            FailureMode::Closed => "closed",
+            FailureMode::Local => "local",
         }
     }
 }
 
-/// Classifies a Redis error into one bounded metric label. Order matters:
-/// a timeout is also an I/O error, and a refusal is also a dropped connection.
-pub fn redis_error_kind(e: &::redis::RedisError) -> &'static str {
-    use ::redis::{ErrorKind, ServerErrorKind};
-    if e.is_timeout() {
-        "timeout"
-    } else if e.is_connection_refusal() {
-        "connection_refused"
-    } else if e.is_connection_dropped() {
-        "connection_dropped"
-    } else if e.is_io_error() {
-        "io"
-    } else {
-        match e.kind() {
-            ErrorKind::Server(
-                ServerErrorKind::Moved
-                | ServerErrorKind::Ask
-                | ServerErrorKind::TryAgain
-                | ServerErrorKind::ClusterDown
-                | ServerErrorKind::CrossSlot,
-            ) => "cluster",
-            ErrorKind::ClusterConnectionNotFound => "cluster",
-            ErrorKind::Server(ServerErrorKind::BusyLoading) => "loading",
-            ErrorKind::Server(ServerErrorKind::NoScript) => "noscript",
-            ErrorKind::Server(ServerErrorKind::ReadOnly | ServerErrorKind::MasterDown) => {
-                "readonly"
-            }
-            ErrorKind::AuthenticationFailed | ErrorKind::Server(ServerErrorKind::NoPerm) => "auth",
-            ErrorKind::Server(_) => "server",
-            ErrorKind::Parse | ErrorKind::UnexpectedReturnType => "response",
-            _ => "client",
+/// One request to a store: everything a layer of the stack may need.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Check {
+    /// The bucket.
+    pub key: BucketKey,
+    /// The limit, with the algorithm that enforces it.
+    pub limit: Limit,
+    /// Tokens the request costs.
+    pub cost: u64,
+    /// The instant to decide at (never read from a clock by a store).
+    pub now: Micros,
+    /// What the failure policy does if the shared store cannot decide.
+    pub on_failure: FailureMode,
+    /// At most this many units in a token bucket after refill (`None`: no
+    /// bound): how the failure policy hands a bucket back from its local
+    /// share without a fresh burst (see
+    /// [`crate::algorithm::token_bucket::check_within`]).
+    pub ceiling: Option<u64>,
+}
+
+impl Check {
+    /// A check of `cost` for `key` under `limit` at `now`, failing over to
+    /// the local share, with no ceiling.
+    pub fn new(key: BucketKey, limit: Limit, cost: u64, now: Micros) -> Self {
+        Self {
+            key,
+            limit,
+            cost,
+            now,
+            on_failure: FailureMode::default(),
+            ceiling: None,
+        }
+    }
+
+    /// The same check with another failure mode.
+    pub fn on_failure(self, on_failure: FailureMode) -> Self {
+        Self { on_failure, ..self }
+    }
+
+    /// The same check bounded by `ceiling` (units).
+    pub fn with_ceiling(self, ceiling: Option<u64>) -> Self {
+        Self { ceiling, ..self }
+    }
+}
+
+/// Who decided a request (the `source` metric label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// The shared store (Redis).
+    Redis,
+    /// The in-process store, as the configured backend.
+    Memory,
+    /// This instance's share, while Redis is away.
+    Local,
+    /// Nobody: admitted because Redis is away and the mode is `open`.
+    FailOpen,
+}
+
+impl Source {
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Source::Redis => "redis",
+            Source::Memory => "memory",
+            Source::Local => "local",
+            Source::FailOpen => "failopen",
         }
     }
 }
 
-/// Shared bucket state.
+/// What a store answers: the one result type of every layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Checked {
+    /// The decision; `None` when failing open (admitted, nothing counted).
+    pub decision: Option<Decision>,
+    /// The limit the decision applied (the local share when `Local`).
+    pub limit: Limit,
+    /// Who decided.
+    pub source: Source,
+}
+
+impl Checked {
+    /// `decision` under `limit`, made by `source`.
+    pub fn decided(decision: Decision, limit: Limit, source: Source) -> Self {
+        Self {
+            decision: Some(decision),
+            limit,
+            source,
+        }
+    }
+}
+
+/// Limit state, local or shared. Every layer of the stack is one.
 pub trait Store: Send + Sync + fmt::Debug + 'static {
-    /// Decide a request of `cost` tokens for bucket `key` at `now`, and
-    /// record the spend if admitted.
-    fn check(
-        &self,
-        key: BucketKey,
-        limit: Limit,
-        cost: u64,
-        now: Micros,
-    ) -> BoxFuture<'_, Result<Decision, StoreError>> {
-        self.check_within(key, limit, cost, now, None)
-    }
+    /// Decide `check`, and record the spend if admitted.
+    fn check(&self, check: Check) -> BoxFuture<'_, Result<Checked, StoreError>>;
 
-    /// [`Store::check`] with the bucket holding at most `ceiling` units
-    /// after refill (see [`crate::bucket::check_within`]): how a bucket is
-    /// handed back from a local fallback without a fresh burst.
-    fn check_within(
-        &self,
-        key: BucketKey,
-        limit: Limit,
-        cost: u64,
-        now: Micros,
-        ceiling: Option<u64>,
-    ) -> BoxFuture<'_, Result<Decision, StoreError>>;
-
-    /// The backend's name, as used in metric labels and logs.
+    /// The backend's name, as used in metric labels and logs (wrappers
+    /// answer their backend's).
     fn backend(&self) -> &'static str;
-
-    /// Whether the state lives in this process (nothing to fail over from:
-    /// the failure policy leaves such a store alone).
-    fn in_process(&self) -> bool {
-        false
-    }
 
     /// Whether the store can decide right now (for `/readyz`).
     fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(std::future::ready(Ok(())))
+    }
+}
+
+impl<S: Store + ?Sized> Store for Arc<S> {
+    fn check(&self, check: Check) -> BoxFuture<'_, Result<Checked, StoreError>> {
+        (**self).check(check)
+    }
+
+    fn backend(&self) -> &'static str {
+        (**self).backend()
+    }
+
+    fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        (**self).ready()
+    }
+}
+
+/// Where limit state lives, as configured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// In this process: exact, fast, but each instance has its own buckets.
+    Memory,
+    /// Redis, GET/compute/SET: racy on purpose, the baseline to beat.
+    Naive,
+    /// Redis, one atomic Lua script per check.
+    Lua,
+}
+
+impl Backend {
+    /// The name used on the command line and in metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::Memory => "memory",
+            Backend::Naive => "naive",
+            Backend::Lua => "lua",
+        }
+    }
+
+    /// Whether its state is shared between instances (through Redis), so
+    /// that a failure policy has something to fail over from.
+    pub fn is_shared(self) -> bool {
+        self != Backend::Memory
+    }
+
+    /// Whether this backend runs `algorithm` at all (asked of the
+    /// algorithm's description; the stores refuse the same at run time).
+    pub fn runs(self, algorithm: Algorithm) -> bool {
+        match self {
+            Backend::Memory => algorithm.max_packed_burst().is_some(),
+            Backend::Naive => algorithm.has_naive_store(),
+            Backend::Lua => true,
+        }
+    }
+
+    /// The largest burst this backend keeps under `algorithm` (the
+    /// in-process store's entries have room for so much).
+    pub fn max_burst(self, algorithm: Algorithm) -> u64 {
+        match self {
+            Backend::Memory => algorithm.max_packed_burst().unwrap_or(0),
+            Backend::Naive | Backend::Lua => u64::MAX,
+        }
     }
 }

@@ -1,6 +1,7 @@
 //! Unit and property tests for the token bucket against an exact rational model.
 
 use super::*;
+use crate::algorithm::limit::LimitError;
 use num_rational::Ratio;
 use proptest::prelude::*;
 

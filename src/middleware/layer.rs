@@ -1,7 +1,7 @@
 //! Builds [`RateLimit`] services around inner services.
 
 use super::service::RateLimit;
-use crate::policy::Limiter;
+use crate::limiter::Limiter;
 use std::sync::Arc;
 use tower::Layer;
 

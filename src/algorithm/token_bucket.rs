@@ -1,0 +1,169 @@
+//! The token bucket, exact and pure.
+//!
+//! A bucket holds up to `burst` tokens and gains `rate` tokens every `period`.
+//! A request costs `cost` tokens and is admitted only if that many are there.
+//! Refill is lazy: on each check we add `elapsed × rate` and clamp to `burst`.
+//! There is no timer, so an idle client accumulates a full burst and may spend
+//! it in one instant (burst 100 at 10/s: 100 requests at once, then 10/s).
+//!
+//! Tokens are integer units (see [`super::limit`]), so refill is exact and
+//! nothing drifts. `lua/token_bucket.lua` computes the same integers.
+//!
+//! The function never reads a clock or touches storage: it takes the stored
+//! state and `now`, and returns the decision and the state to store.
+
+use super::decision::{Decision, Packed};
+use super::limit::{CostExceedsBurst, Limit};
+use crate::clock::Micros;
+use std::time::Duration;
+
+/// What is stored per key: tokens (in units) as of `last` (microseconds).
+///
+/// No entry at all means a full bucket, which is why idle entries can be
+/// evicted and expired without changing any decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BucketState {
+    /// Tokens in units (`Limit::units_per_token` per token).
+    pub tokens: u64,
+    /// The instant `tokens` was computed for.
+    pub last: Micros,
+}
+
+impl BucketState {
+    /// The state in 16 bytes: its tokens, and the instant it is full again
+    /// (`last + ceil(deficit / rate)`), which lets a store drop it once full
+    /// without knowing its limit.
+    pub fn pack(&self, limit: &Limit) -> Packed {
+        Packed {
+            word: self.tokens,
+            full_at: self.last.saturating_add(to_full(limit, self.tokens)),
+        }
+    }
+
+    /// The tokens (in units) this bucket holds at `now`, refilled and
+    /// clamped to the capacity (a `now` behind `last` refills nothing).
+    pub fn level_at(&self, limit: &Limit, now: Micros) -> u64 {
+        let cap = limit.capacity_units();
+        let refill = now
+            .saturating_sub(self.last)
+            .saturating_mul(limit.rate_units_per_us());
+        self.tokens.min(cap).saturating_add(refill).min(cap)
+    }
+
+    /// The state [`BucketState::pack`] packed, exactly: `last` is recovered
+    /// from the limit every check passes in.
+    pub fn unpack(packed: Packed, limit: &Limit) -> Self {
+        Self {
+            tokens: packed.word,
+            last: packed.full_at.saturating_sub(to_full(limit, packed.word)),
+        }
+    }
+}
+
+/// Microseconds a bucket holding `tokens` units takes to be full again.
+fn to_full(limit: &Limit, tokens: u64) -> u64 {
+    let deficit = limit.capacity_units().saturating_sub(tokens);
+    let rate = limit.rate_units_per_us();
+    // Rates reduce to 1 unit/us more often than not: skip the division.
+    if rate == 1 {
+        deficit
+    } else {
+        deficit.div_ceil(rate)
+    }
+}
+
+/// Decide one request of `cost` tokens at `now`.
+///
+/// `state` is what was stored for the key, `None` if nothing was (a full
+/// bucket). Returns the decision and the state to store. A `now` earlier than
+/// `state.last` is treated as `state.last`: no refill, and the waiting times
+/// reported are measured from the real `now`, so they stay exact.
+///
+/// A denial leaves no trace: the state returned is the one given, since
+/// refilling it later from its own `last` reaches the same tokens (the clamp
+/// is idempotent). Stores therefore write nothing on a denial, which is the
+/// cheap path under attack, and Redis scripts need no write then either.
+pub fn check(
+    limit: &Limit,
+    state: Option<BucketState>,
+    cost: u64,
+    now: Micros,
+) -> Result<(Decision, BucketState), CostExceedsBurst> {
+    check_within(limit, state, cost, now, u64::MAX)
+}
+
+/// [`check`], with the bucket holding at most `ceiling` units after refill.
+///
+/// This is how a bucket is handed back from a local fallback to the shared
+/// store without a fresh burst: while Redis was away, the client spent from
+/// a local bucket; Redis's bucket either refilled meanwhile or, after a
+/// restart, is absent (full). The caller passes the local bucket's level
+/// (scaled to the fleet) as the ceiling until the local bucket is full again,
+/// and the shared bucket cannot grant more than what the fallback left.
+/// Like any other bound, a ceiling a denial does not store: the caller keeps
+/// passing it while it applies, and it never raises a bucket.
+pub fn check_within(
+    limit: &Limit,
+    state: Option<BucketState>,
+    cost: u64,
+    now: Micros,
+    ceiling: u64,
+) -> Result<(Decision, BucketState), CostExceedsBurst> {
+    limit.check_cost(cost)?;
+    // Everything fits u64: capacity is at most 2^52 (checked in `Limit::new`),
+    // and a refill that would overflow is larger than any deficit anyway.
+    // (u64 rather than u128 also keeps the divisions single instructions.)
+    let cap = limit.capacity_units();
+    let unit = limit.units_per_token();
+    let rate = limit.rate_units_per_us();
+    let given = state.unwrap_or(BucketState {
+        tokens: cap,
+        last: now,
+    });
+    let BucketState { tokens, last } = given;
+    // A state from a corrupted or differently shaped bucket must not grant
+    // more than a full bucket.
+    let mut tokens = tokens.min(cap);
+    let at = now.max(last);
+    tokens += (at - last).saturating_mul(rate).min(cap - tokens);
+    tokens = tokens.min(ceiling);
+    let cost_units = cost * unit;
+    let allowed = tokens >= cost_units;
+    if allowed {
+        tokens -= cost_units;
+    }
+    // Waiting times are computed at `at` and then measured from `now`.
+    let skew = at - now;
+    let wait = |deficit: u64| -> Duration {
+        if deficit == 0 {
+            Duration::ZERO
+        } else {
+            // Rates reduce to 1 unit/us more often than not (10/s, 100/min
+            // are 1 token per 100_000 / 600_000 units); skip the division.
+            let us = if rate == 1 {
+                deficit
+            } else {
+                deficit.div_ceil(rate)
+            };
+            Duration::from_micros(us.saturating_add(skew))
+        }
+    };
+    let decision = Decision {
+        allowed,
+        limit: limit.burst(),
+        // Denials (the hot path under attack) mostly hold less than a token:
+        // skip the division then.
+        remaining: if tokens < unit { 0 } else { tokens / unit },
+        retry_after: wait(cost_units.saturating_sub(tokens)),
+        reset: wait(cap - tokens),
+    };
+    let state = if allowed {
+        BucketState { tokens, last: at }
+    } else {
+        given
+    };
+    Ok((decision, state))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,137 @@
+//! Command-line flags, each also read from its environment variable.
+//!
+//! The flags serialize in the file's shape (`--redis-url` is `redis.url`),
+//! leaving out what was not given, so they layer over a file key by key.
+//! Defaults are not declared here: a flag's absence must not override the
+//! file. Each help text quotes the default from [`super::file::Settings`].
+
+use super::file::Settings;
+use crate::store::{Backend, FailureMode};
+use clap::{Args, Parser};
+use serde::Serialize;
+use std::path::PathBuf;
+
+/// `text [default: <the value of `key` in the defaults>]`.
+fn help(text: &str, key: &str) -> String {
+    format!("{text} [default: {}]", default_of(key))
+}
+
+/// A default as the docs write it, looked up by its dotted key.
+pub fn default_of(key: &str) -> String {
+    let defaults =
+        toml::Value::try_from(Settings::default()).unwrap_or(toml::Value::Boolean(false));
+    let value = key.split('.').try_fold(&defaults, |v, k| v.get(k));
+    match value {
+        Some(toml::Value::String(s)) => s.clone(),
+        Some(toml::Value::Array(a)) if a.is_empty() => "none".into(),
+        Some(other) => other.to_string(),
+        None => "none".into(),
+    }
+}
+
+/// Command-line flags; each can also come from the environment.
+#[derive(Debug, Clone, Default, Parser, Serialize)]
+#[command(
+    name = "ratelimiter",
+    version,
+    about = "A sample API behind an exact, observable rate limiter"
+)]
+pub struct Cli {
+    /// TOML configuration file
+    #[arg(long, env = "RL_CONFIG")]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    #[arg(long, env = "RL_LISTEN", help = help("Address to listen on", "listen"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub listen: Option<String>,
+    #[arg(long, env = "RL_BACKEND", value_enum, help = help("Where limit state lives", "backend"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub backend: Option<Backend>,
+    /// This instance's name in metrics and logs [default: <hostname>-<pid>]
+    #[arg(long, env = "RL_INSTANCE_ID")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub instance_id: Option<String>,
+    #[arg(
+        long = "trusted-proxy",
+        env = "RL_TRUSTED_PROXIES",
+        value_delimiter = ',',
+        help = help("A proxy whose X-Forwarded-For is believed (CIDR or address; repeatable)", "trusted_proxies")
+    )]
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub trusted_proxies: Vec<String>,
+    /// Secret for hashing client identities; instances sharing a store must share it [default: random]
+    #[arg(long, env = "RL_KEY_SECRET", hide_env_values = true)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub key_secret: Option<String>,
+    #[arg(long, env = "RL_IPV6_PREFIX", help = help("IPv6 clients are keyed by this prefix length", "ipv6_prefix"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ipv6_prefix: Option<u8>,
+    #[command(flatten)]
+    pub memory: MemoryFlags,
+    #[command(flatten)]
+    pub redis: RedisFlags,
+    #[command(flatten)]
+    pub failure: FailureFlags,
+}
+
+/// `[memory]` flags.
+#[derive(Debug, Clone, Default, Args, Serialize)]
+pub struct MemoryFlags {
+    #[arg(long = "memory-max-keys", env = "RL_MEMORY_MAX_KEYS", help = help("Most buckets the memory backend holds", "memory.max_keys"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_keys: Option<usize>,
+    #[arg(long = "memory-shards", env = "RL_MEMORY_SHARDS", help = help("Lock shards of the memory backend", "memory.shards"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shards: Option<usize>,
+}
+
+/// `[redis]` flags.
+#[derive(Debug, Clone, Default, Args, Serialize)]
+pub struct RedisFlags {
+    #[arg(long = "redis-url", env = "RL_REDIS_URL", help = help("Redis URL for the naive and lua backends", "redis.url"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    /// A Redis Cluster seed node URL (repeatable); switches to cluster mode
+    #[arg(
+        long = "redis-cluster",
+        env = "RL_REDIS_CLUSTER",
+        value_delimiter = ','
+    )]
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub cluster: Vec<String>,
+    #[arg(long = "redis-prefix", env = "RL_REDIS_PREFIX", help = help("Prefix of every Redis key", "redis.prefix"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefix: Option<String>,
+    #[arg(long = "redis-connect-timeout", env = "RL_REDIS_CONNECT_TIMEOUT", help = help("Time allowed to open a Redis connection", "redis.connect_timeout"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub connect_timeout: Option<String>,
+    #[arg(long = "redis-response-timeout", env = "RL_REDIS_RESPONSE_TIMEOUT", help = help("Time allowed for one Redis answer", "redis.response_timeout"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub response_timeout: Option<String>,
+    #[arg(long = "redis-retries", env = "RL_REDIS_RETRIES", help = help("Reconnection attempts / cluster retries per failure", "redis.retries"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retries: Option<u32>,
+    #[arg(long = "redis-ttl-margin", env = "RL_REDIS_TTL_MARGIN", help = help("Added to a bucket's time-to-full for its key's TTL", "redis.ttl_margin"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ttl_margin: Option<String>,
+}
+
+/// `[failure]` flags.
+#[derive(Debug, Clone, Default, Args, Serialize)]
+pub struct FailureFlags {
+    #[arg(long = "failure-mode", env = "RL_FAILURE_MODE", value_enum, help = help("What policies do while Redis cannot decide", "failure.mode"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mode: Option<FailureMode>,
+    #[arg(long = "failure-deadline", env = "RL_FAILURE_DEADLINE", help = help("The longest a request waits on Redis", "failure.deadline"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub deadline: Option<String>,
+    #[arg(long = "failure-instances", env = "RL_FAILURE_INSTANCES", help = help("Instances sharing the limit; the local fallback enforces 1/N of it", "failure.instances"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub instances: Option<u64>,
+    #[arg(long = "breaker-failures", env = "RL_BREAKER_FAILURES", help = help("Consecutive Redis failures that open the circuit breaker", "failure.breaker_failures"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub breaker_failures: Option<u32>,
+    #[arg(long = "breaker-cooldown", env = "RL_BREAKER_COOLDOWN", help = help("How long the open breaker waits before probing Redis", "failure.breaker_cooldown"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub breaker_cooldown: Option<String>,
+}

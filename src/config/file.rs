@@ -1,0 +1,190 @@
+//! The settings as a file holds them, and every default, declared once.
+//!
+//! [`Settings::default`] is the bottom layer of the configuration; a file,
+//! then the flags and environment ([`super::Cli`]), are layered over it by
+//! key (see [`super::Config::load`]). Values stay as written (durations as
+//! `"10ms"`), so the defaults go through the same validation as anything a
+//! user writes. Unknown keys are errors: a typo must not leave a default
+//! limit in force.
+
+use crate::algorithm::Algorithm;
+use crate::store::{Backend, FailureMode};
+use serde::{Deserialize, Serialize};
+
+/// Every setting, as layered. See the module docs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    /// `listen`.
+    pub listen: String,
+    /// `backend`.
+    pub backend: Backend,
+    /// `instance_id` (`None`: `<hostname>-<pid>`).
+    pub instance_id: Option<String>,
+    /// `trusted_proxies`.
+    pub trusted_proxies: Vec<String>,
+    /// `key_secret` (`None`: random per process).
+    pub key_secret: Option<String>,
+    /// `ipv6_prefix`.
+    pub ipv6_prefix: u8,
+    /// `[memory]`.
+    pub memory: MemoryFile,
+    /// `[redis]`.
+    pub redis: RedisFile,
+    /// `[failure]`.
+    pub failure: FailureFile,
+    /// `[[api_keys]]`.
+    pub api_keys: Vec<ApiKeyFile>,
+    /// `[[policies]]`.
+    pub policies: Vec<PolicyFile>,
+}
+
+/// `[memory]`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MemoryFile {
+    /// Most buckets held at once.
+    pub max_keys: usize,
+    /// Lock shards (a power of two).
+    pub shards: usize,
+}
+
+/// `[redis]`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RedisFile {
+    /// Standalone server URL (ignored when `cluster` is set).
+    pub url: String,
+    /// Cluster seed node URLs; non-empty switches to cluster mode.
+    pub cluster: Vec<String>,
+    /// Prefix of every key.
+    pub prefix: String,
+    /// Time allowed to open a connection.
+    pub connect_timeout: String,
+    /// Time allowed for one answer.
+    pub response_timeout: String,
+    /// Reconnection attempts / cluster retries per failure.
+    pub retries: u32,
+    /// Added to a key's time-to-full for its TTL.
+    pub ttl_margin: String,
+}
+
+/// `[failure]`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FailureFile {
+    /// The mode of policies that do not set their own.
+    pub mode: FailureMode,
+    /// The longest a request waits on Redis.
+    pub deadline: String,
+    /// Instances sharing each limit.
+    pub instances: u64,
+    /// Consecutive failures that open the breaker.
+    pub breaker_failures: u32,
+    /// How long the open breaker waits before probing.
+    pub breaker_cooldown: String,
+}
+
+/// One `[[api_keys]]` entry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApiKeyFile {
+    /// The id buckets are keyed by.
+    pub id: String,
+    /// The key itself (or `key_sha256`).
+    pub key: Option<String>,
+    /// The key's SHA-256, hex (or `key`).
+    pub key_sha256: Option<String>,
+}
+
+/// A limit as written: `anonymous = { burst = 20, rate = 2 }`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitFile {
+    /// Tokens.
+    pub burst: u64,
+    /// Tokens refilled per `per`.
+    pub rate: u64,
+    /// The period (default `1s`).
+    pub per: Option<String>,
+}
+
+/// One `[[policies]]` entry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyFile {
+    /// Name in headers and metrics.
+    pub name: String,
+    /// Route template prefix.
+    pub route: String,
+    /// Methods (all if absent).
+    pub methods: Option<Vec<String>>,
+    /// No limit on this route.
+    #[serde(default)]
+    pub unlimited: bool,
+    /// Tokens.
+    pub burst: Option<u64>,
+    /// Tokens refilled per `per`.
+    pub rate: Option<u64>,
+    /// The period (default `1s`).
+    pub per: Option<String>,
+    /// Tokens one request costs (default 1).
+    pub cost: Option<u64>,
+    /// The limit of clients without a verified API key.
+    pub anonymous: Option<LimitFile>,
+    /// What this policy does while Redis cannot decide.
+    pub failure_mode: Option<FailureMode>,
+    /// The algorithm (default `token_bucket`).
+    pub algorithm: Option<Algorithm>,
+}
+
+impl Default for Settings {
+    /// Every default of the service.
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:8080".into(),
+            backend: Backend::Memory,
+            instance_id: None,
+            trusted_proxies: Vec::new(),
+            key_secret: None,
+            ipv6_prefix: 64,
+            memory: MemoryFile {
+                max_keys: 1_000_000,
+                shards: 64,
+            },
+            redis: RedisFile {
+                url: "redis://127.0.0.1:6379".into(),
+                cluster: Vec::new(),
+                prefix: "rl:".into(),
+                connect_timeout: "200ms".into(),
+                // A request path cannot wait the client's 500 ms default.
+                response_timeout: "50ms".into(),
+                retries: 1,
+                ttl_margin: "1s".into(),
+            },
+            failure: FailureFile {
+                mode: FailureMode::Local,
+                // ~100 loopback round trips; see `failover`.
+                deadline: "10ms".into(),
+                instances: 1,
+                breaker_failures: 5,
+                breaker_cooldown: "500ms".into(),
+            },
+            api_keys: Vec::new(),
+            // Without policies in the file: every /api/ route, 100 at 10/s.
+            policies: vec![PolicyFile {
+                name: "api".into(),
+                route: "/api/".into(),
+                methods: None,
+                unlimited: false,
+                burst: Some(100),
+                rate: Some(10),
+                per: None,
+                cost: None,
+                anonymous: None,
+                failure_mode: None,
+                algorithm: None,
+            }],
+        }
+    }
+}

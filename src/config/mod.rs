@@ -1,0 +1,202 @@
+//! The one typed configuration: a TOML file, command-line flags and
+//! environment variables, validated at start-up with the bad field named.
+//!
+//! Precedence: flag > environment variable > file > default. Policies and
+//! API keys are structured and live in the file only.
+//!
+//! | field | flag / env | default |
+//! |---|---|---|
+//! | `listen` | `--listen` / `RL_LISTEN` | `127.0.0.1:8080` |
+//! | `backend` | `--backend` / `RL_BACKEND` | `memory` |
+//! | `instance_id` | `--instance-id` / `RL_INSTANCE_ID` | `<hostname>-<pid>` |
+//! | `trusted_proxies` | `--trusted-proxy` (repeatable) / `RL_TRUSTED_PROXIES` (comma separated) | none |
+//! | `key_secret` | `--key-secret` / `RL_KEY_SECRET` | random per process |
+//! | `ipv6_prefix` | `--ipv6-prefix` / `RL_IPV6_PREFIX` | `64` |
+//! | `memory.max_keys` | `--memory-max-keys` / `RL_MEMORY_MAX_KEYS` | `1000000` |
+//! | `memory.shards` | `--memory-shards` / `RL_MEMORY_SHARDS` | `64` |
+//! | `redis.url` | `--redis-url` / `RL_REDIS_URL` | `redis://127.0.0.1:6379` |
+//! | `redis.cluster` | `--redis-cluster` (repeatable seed URL) / `RL_REDIS_CLUSTER` (comma separated) | none: standalone |
+//! | `redis.prefix` | `--redis-prefix` / `RL_REDIS_PREFIX` | `rl:` |
+//! | `redis.connect_timeout` | `--redis-connect-timeout` / `RL_REDIS_CONNECT_TIMEOUT` | `200ms` |
+//! | `redis.response_timeout` | `--redis-response-timeout` / `RL_REDIS_RESPONSE_TIMEOUT` | `50ms` |
+//! | `redis.retries` | `--redis-retries` / `RL_REDIS_RETRIES` | `1` |
+//! | `redis.ttl_margin` | `--redis-ttl-margin` / `RL_REDIS_TTL_MARGIN` | `1s` |
+//! | `failure.mode` | `--failure-mode` / `RL_FAILURE_MODE` | `local` (`open`, `closed`, `local`; per policy: `failure_mode`) |
+//! | `failure.deadline` | `--failure-deadline` / `RL_FAILURE_DEADLINE` | `10ms` |
+//! | `failure.instances` | `--failure-instances` / `RL_FAILURE_INSTANCES` | `1` |
+//! | `failure.breaker_failures` | `--breaker-failures` / `RL_BREAKER_FAILURES` | `5` |
+//! | `failure.breaker_cooldown` | `--breaker-cooldown` / `RL_BREAKER_COOLDOWN` | `500ms` |
+//! | `[[api_keys]]` | file only | none |
+//! | `[[policies]]` | file only | one policy `api`: route `/api/`, burst 100, 10/s |
+//!
+//! The defaults are declared once, in [`file::Settings::default`]; the flags'
+//! help quotes them, and a test holds this table and the README's to them.
+//! A policy's `algorithm` (default `token_bucket`; `gcra`, `fixed_window`,
+//! `sliding_window`; `sliding_log` needs backend `lua`) reads the same
+//! `burst`/`rate`/`per`: see [`crate::algorithm`].
+//!
+//! # Layout
+//! - `cli.rs`: the flags (clap), in the file's shape;
+//! - `file.rs`: the file's shape, and every default;
+//! - `parse.rs`: periods, proxies, names, digests;
+//! - `validate.rs`: from layered [`file::Settings`] to a [`Config`], with
+//!   the field named in every error.
+//!
+//! The layering itself is figment's: defaults, then the file, then the
+//! flags, merged key by key. Its extraction errors carry the key path, which
+//! is turned into the same `policies[0].burst` field names validation uses.
+
+mod cli;
+pub mod file;
+mod parse;
+mod validate;
+
+pub use cli::{Cli, FailureFlags, MemoryFlags, RedisFlags, default_of};
+pub use parse::parse_period;
+
+use crate::failover::FailoverSettings;
+use crate::policy::Policy;
+use crate::store::Backend;
+use crate::store::redis::RedisSettings;
+use figment::Figment;
+use figment::providers::{Format, Serialized, Toml};
+use ipnet::IpNet;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+/// Memory backend settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryConfig {
+    /// Most buckets held at once.
+    pub max_keys: usize,
+    /// Lock shards (a power of two).
+    pub shards: usize,
+}
+
+/// A configured API key: its id and the SHA-256 of the key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiKeyConfig {
+    /// The id buckets are keyed by (never the key itself).
+    pub id: String,
+    /// SHA-256 of the key.
+    pub sha256: [u8; 32],
+}
+
+/// The validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Address to listen on.
+    pub listen: SocketAddr,
+    /// Where limit state lives.
+    pub backend: Backend,
+    /// This instance's name.
+    pub instance_id: String,
+    /// Proxies whose `X-Forwarded-For` is believed.
+    pub trusted_proxies: Vec<IpNet>,
+    /// The SipHash key for client identities; `None` means random at start.
+    pub key_secret: Option<[u8; 16]>,
+    /// Prefix length IPv6 clients are keyed by.
+    pub ipv6_prefix: u8,
+    /// Memory backend settings (also the local share's size).
+    pub memory: MemoryConfig,
+    /// Redis settings (used by the naive and lua backends).
+    pub redis: RedisSettings,
+    /// Deadline, breaker and failure mode around Redis.
+    pub failover: FailoverSettings,
+    /// Verified API keys.
+    pub api_keys: Vec<ApiKeyConfig>,
+    /// Route policies.
+    pub policies: Vec<Policy>,
+}
+
+/// A configuration that cannot be used, naming the field at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML or has unknown or mistyped fields.
+    #[error("config file {path}: {}{message}", field.as_deref().map(|f| format!("{f}: ")).unwrap_or_default())]
+    Parse {
+        /// The file (`<inline>` for text).
+        path: PathBuf,
+        /// The field at fault, e.g. `policies[0].burst` (`None`: the file
+        /// is not TOML at all).
+        field: Option<String>,
+        /// The parser's message.
+        message: String,
+    },
+    /// A field has a value that cannot work.
+    #[error("invalid config: {field}: {message}")]
+    Invalid {
+        /// The field, e.g. `policies[1].burst`.
+        field: String,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+/// `policies.0.burst` as `policies[0].burst`.
+fn field_name(path: &[String]) -> String {
+    let mut out = String::new();
+    for part in path {
+        if part.bytes().all(|b| b.is_ascii_digit()) && !out.is_empty() {
+            out.push_str(&format!("[{part}]"));
+        } else {
+            if !out.is_empty() {
+                out.push('.');
+            }
+            out.push_str(part);
+        }
+    }
+    out
+}
+
+impl Config {
+    /// Reads the file named by `cli.config` (if any) and layers the flags
+    /// over it.
+    pub fn load(cli: Cli) -> Result<Self, ConfigError> {
+        match &cli.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                    path: path.clone(),
+                    source,
+                })?;
+                Self::layered(path.clone(), &text, &cli)
+            }
+            None => Self::layered(PathBuf::from("<none>"), "", &cli),
+        }
+    }
+
+    /// Parses and validates a config from TOML text, with no flags.
+    pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
+        Self::layered(PathBuf::from("<inline>"), text, &Cli::default())
+    }
+
+    /// Defaults, then the file's `text`, then the flags; then validation.
+    fn layered(path: PathBuf, text: &str, cli: &Cli) -> Result<Self, ConfigError> {
+        let settings: file::Settings = Figment::new()
+            .merge(Serialized::defaults(file::Settings::default()))
+            .merge(Toml::string(text))
+            .merge(Serialized::defaults(cli))
+            .extract()
+            .map_err(|e| {
+                // Several errors can be chained; the first names the field.
+                let field = (!e.path.is_empty()).then(|| field_name(&e.path));
+                ConfigError::Parse {
+                    path,
+                    field,
+                    message: e.kind.to_string(),
+                }
+            })?;
+        validate::validate(settings)
+    }
+}
+
+#[cfg(test)]
+mod tests;

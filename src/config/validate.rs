@@ -1,0 +1,402 @@
+//! From layered settings to a [`Config`]: every value checked, every error
+//! naming its field (`policies[1].burst`), and the rules other modules own
+//! asked of them (an algorithm's limits of the algorithm, a backend's
+//! support of the backend, the local share of the failure policy).
+
+use super::file::{
+    ApiKeyFile, FailureFile, LimitFile, MemoryFile, PolicyFile, RedisFile, Settings,
+};
+use super::parse::{default_instance_id, parse_hex32, parse_period, parse_proxy, valid_name};
+use super::{ApiKeyConfig, Config, ConfigError, MemoryConfig};
+use crate::algorithm::{Algorithm, Limit, LimitError};
+use crate::failover::{FailoverSettings, try_share};
+use crate::identity::{ApiKeys, valid_key};
+use crate::policy::Policy;
+use crate::store::Backend;
+use crate::store::redis::RedisSettings;
+use std::time::Duration;
+
+fn invalid(field: impl Into<String>, message: impl std::fmt::Display) -> ConfigError {
+    ConfigError::Invalid {
+        field: field.into(),
+        message: message.to_string(),
+    }
+}
+
+/// A duration field.
+fn duration(field: &str, text: &str) -> Result<Duration, ConfigError> {
+    parse_period(text).map_err(|m| invalid(field, m))
+}
+
+/// Validates layered settings.
+pub(super) fn validate(s: Settings) -> Result<Config, ConfigError> {
+    let listen = s
+        .listen
+        .parse()
+        .map_err(|_| invalid("listen", format!("{:?} is not an address:port", s.listen)))?;
+
+    let instance_id = s.instance_id.unwrap_or_else(default_instance_id);
+    if !valid_name(&instance_id) {
+        return Err(invalid(
+            "instance_id",
+            "must be 1-64 characters of [A-Za-z0-9_.-]",
+        ));
+    }
+
+    let trusted_proxies = s
+        .trusted_proxies
+        .iter()
+        .enumerate()
+        .map(|(i, p)| parse_proxy(p).map_err(|m| invalid(format!("trusted_proxies[{i}]"), m)))
+        .collect::<Result<Vec<_>, _>>()?;
+
+    let key_secret = match s.key_secret {
+        None => None,
+        Some(secret) if secret.len() < 16 => {
+            return Err(invalid("key_secret", "must be at least 16 characters"));
+        }
+        Some(secret) => {
+            let digest = ApiKeys::digest(&secret);
+            let mut key = [0u8; 16];
+            key.copy_from_slice(&digest[..16]);
+            Some(key)
+        }
+    };
+
+    if s.ipv6_prefix > 128 {
+        return Err(invalid("ipv6_prefix", "must be between 0 and 128"));
+    }
+
+    let memory = memory(s.memory)?;
+    let backend = s.backend;
+    if backend.is_shared() && key_secret.is_none() {
+        return Err(invalid(
+            "key_secret",
+            format!(
+                "is required with backend {}: instances sharing Redis must hash client identities alike",
+                backend.as_str()
+            ),
+        ));
+    }
+    let redis = redis(s.redis)?;
+    let failover = failover(s.failure)?;
+    let api_keys = api_keys(s.api_keys)?;
+    let policies = policies(s.policies, backend)?;
+    // Every policy's local share must be a limit the service can keep.
+    for (i, p) in policies.iter().enumerate() {
+        for limit in [p.limit, p.anonymous].into_iter().flatten() {
+            if try_share(&limit, failover.instances, p.cost).is_err() {
+                return Err(invalid(
+                    "failure.instances",
+                    format!(
+                        "policies[{i}]'s local share (burst / {n} at rate / {n}) is too large to keep exactly; use a shorter period",
+                        n = failover.instances
+                    ),
+                ));
+            }
+        }
+    }
+
+    Ok(Config {
+        listen,
+        backend,
+        instance_id,
+        trusted_proxies,
+        key_secret,
+        ipv6_prefix: s.ipv6_prefix,
+        memory,
+        redis,
+        failover,
+        api_keys,
+        policies,
+    })
+}
+
+fn memory(m: MemoryFile) -> Result<MemoryConfig, ConfigError> {
+    if m.max_keys == 0 {
+        return Err(invalid("memory.max_keys", "must be at least 1"));
+    }
+    if m.shards == 0 || !m.shards.is_power_of_two() || m.shards > 4096 {
+        return Err(invalid(
+            "memory.shards",
+            "must be a power of two from 1 to 4096",
+        ));
+    }
+    Ok(MemoryConfig {
+        max_keys: m.max_keys,
+        shards: m.shards,
+    })
+}
+
+fn failover(f: FailureFile) -> Result<FailoverSettings, ConfigError> {
+    let deadline = duration("failure.deadline", &f.deadline)?;
+    if deadline > Duration::from_secs(10) {
+        return Err(invalid(
+            "failure.deadline",
+            "must be at most 10s: it is how long a request may wait on Redis",
+        ));
+    }
+    if !(1..=10_000).contains(&f.instances) {
+        return Err(invalid("failure.instances", "must be from 1 to 10000"));
+    }
+    if f.breaker_failures == 0 {
+        return Err(invalid("failure.breaker_failures", "must be at least 1"));
+    }
+    Ok(FailoverSettings {
+        mode: f.mode,
+        deadline,
+        instances: f.instances,
+        breaker_failures: f.breaker_failures,
+        breaker_cooldown: duration("failure.breaker_cooldown", &f.breaker_cooldown)?,
+    })
+}
+
+fn redis(r: RedisFile) -> Result<RedisSettings, ConfigError> {
+    let check_url = |field: String, url: &str| {
+        if url.starts_with("redis://") || url.starts_with("rediss://") {
+            Ok(())
+        } else {
+            Err(invalid(field, format!("{url:?} is not a redis:// URL")))
+        }
+    };
+    let (urls, cluster) = if r.cluster.is_empty() {
+        check_url("redis.url".into(), &r.url)?;
+        (vec![r.url], false)
+    } else {
+        for (i, url) in r.cluster.iter().enumerate() {
+            check_url(format!("redis.cluster[{i}]"), url)?;
+        }
+        (r.cluster, true)
+    };
+    if r.prefix.len() > 64
+        || r.prefix.contains(['{', '}'])
+        || r.prefix.chars().any(char::is_whitespace)
+    {
+        return Err(invalid(
+            "redis.prefix",
+            "must be at most 64 characters without braces (they would move the hash tag) or spaces",
+        ));
+    }
+    let response_timeout = duration("redis.response_timeout", &r.response_timeout)?;
+    let connect_timeout = duration("redis.connect_timeout", &r.connect_timeout)?;
+    if r.retries > 10 {
+        return Err(invalid(
+            "redis.retries",
+            "must be at most 10 on a request path",
+        ));
+    }
+    Ok(RedisSettings {
+        urls,
+        cluster,
+        prefix: r.prefix,
+        connect_timeout,
+        response_timeout,
+        retries: r.retries,
+        ttl_margin: duration("redis.ttl_margin", &r.ttl_margin)?,
+    })
+}
+
+fn api_keys(list: Vec<ApiKeyFile>) -> Result<Vec<ApiKeyConfig>, ConfigError> {
+    let mut out: Vec<ApiKeyConfig> = Vec::with_capacity(list.len());
+    for (i, k) in list.into_iter().enumerate() {
+        let field = format!("api_keys[{i}]");
+        if !valid_name(&k.id) {
+            return Err(invalid(
+                format!("{field}.id"),
+                "must be 1-64 characters of [A-Za-z0-9_.-]",
+            ));
+        }
+        let sha256 = match (k.key, k.key_sha256) {
+            (Some(key), None) => {
+                valid_key(key.as_bytes()).map_err(|e| invalid(format!("{field}.key"), e))?;
+                ApiKeys::digest(&key)
+            }
+            (None, Some(hex)) => parse_hex32(&hex)
+                .ok_or_else(|| invalid(format!("{field}.key_sha256"), "must be 64 hex digits"))?,
+            _ => {
+                return Err(invalid(&field, "set exactly one of key or key_sha256"));
+            }
+        };
+        if out.iter().any(|o| o.id == k.id) {
+            return Err(invalid(
+                format!("{field}.id"),
+                format!("duplicate id {:?}", k.id),
+            ));
+        }
+        if out.iter().any(|o| o.sha256 == sha256) {
+            return Err(invalid(&field, "the same key is configured twice"));
+        }
+        out.push(ApiKeyConfig { id: k.id, sha256 });
+    }
+    Ok(out)
+}
+
+fn build_limit(field: &str, limit: &LimitFile) -> Result<Limit, ConfigError> {
+    let period = match &limit.per {
+        Some(p) => duration(&format!("{field}.per"), p)?,
+        None => Duration::from_secs(1),
+    };
+    Limit::new(limit.burst, limit.rate, period).map_err(|e| {
+        let which = match e {
+            LimitError::ZeroBurst | LimitError::TooLarge => "burst",
+            LimitError::ZeroRate => "rate",
+            LimitError::ZeroPeriod => "per",
+        };
+        invalid(format!("{field}.{which}"), e)
+    })
+}
+
+/// What an algorithm needs, asked of its description and the backend's:
+/// a backend that runs it, and limits it keeps exactly at a size the
+/// backend holds.
+fn check_algorithm(
+    field: &str,
+    algorithm: Algorithm,
+    backend: Backend,
+    limits: &[Limit],
+) -> Result<(), ConfigError> {
+    if !backend.runs(algorithm) {
+        return Err(invalid(
+            format!("{field}.algorithm"),
+            format!(
+                "{} is not available with backend {} (sliding_log needs lua; naive keeps token buckets only)",
+                algorithm.as_str(),
+                backend.as_str()
+            ),
+        ));
+    }
+    for limit in limits {
+        algorithm
+            .check_limit(limit)
+            .map_err(|e| invalid(format!("{field}.burst"), e))?;
+        let most = backend.max_burst(algorithm);
+        if limit.burst() > most {
+            return Err(invalid(
+                format!("{field}.burst"),
+                format!(
+                    "{} with backend {} keeps its state in 16 bytes: burst must be at most {most}",
+                    algorithm.as_str(),
+                    backend.as_str()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn policies(list: Vec<PolicyFile>, backend: Backend) -> Result<Vec<Policy>, ConfigError> {
+    let mut out: Vec<Policy> = Vec::with_capacity(list.len());
+    for (i, p) in list.into_iter().enumerate() {
+        let field = format!("policies[{i}]");
+        if !valid_name(&p.name) {
+            return Err(invalid(
+                format!("{field}.name"),
+                "must be 1-64 characters of [A-Za-z0-9_.-]",
+            ));
+        }
+        if out.iter().any(|o| o.name == p.name) {
+            return Err(invalid(
+                format!("{field}.name"),
+                format!("duplicate policy {:?}", p.name),
+            ));
+        }
+        if !p.route.starts_with('/') {
+            return Err(invalid(format!("{field}.route"), "must start with '/'"));
+        }
+        let methods = p
+            .methods
+            .unwrap_or_default()
+            .iter()
+            .enumerate()
+            .map(|(j, m)| {
+                http::Method::from_bytes(m.to_ascii_uppercase().as_bytes()).map_err(|_| {
+                    invalid(
+                        format!("{field}.methods[{j}]"),
+                        format!("{m:?} is not an HTTP method"),
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let cost = p.cost.unwrap_or(1);
+        let (limit, anonymous) = if p.unlimited {
+            if p.burst.is_some()
+                || p.rate.is_some()
+                || p.anonymous.is_some()
+                || p.cost.is_some()
+                || p.failure_mode.is_some()
+                || p.algorithm.is_some()
+            {
+                return Err(invalid(
+                    &field,
+                    "an unlimited policy takes no burst, rate, cost, anonymous limit, failure_mode or algorithm",
+                ));
+            }
+            (None, None)
+        } else {
+            let burst = p.burst.ok_or_else(|| {
+                invalid(
+                    format!("{field}.burst"),
+                    "is required (or set unlimited = true)",
+                )
+            })?;
+            let rate = p.rate.ok_or_else(|| {
+                invalid(
+                    format!("{field}.rate"),
+                    "is required (or set unlimited = true)",
+                )
+            })?;
+            let keyed = LimitFile {
+                burst,
+                rate,
+                per: p.per.clone(),
+            };
+            let limit = build_limit(&field, &keyed)?;
+            let anonymous = match &p.anonymous {
+                Some(a) => build_limit(&format!("{field}.anonymous"), a)?,
+                None => limit,
+            };
+            let algorithm = p.algorithm.unwrap_or_default();
+            check_algorithm(&field, algorithm, backend, &[limit, anonymous])?;
+            let (limit, anonymous) = (
+                limit.with_algorithm(algorithm),
+                anonymous.with_algorithm(algorithm),
+            );
+            for (l, f) in [(limit, "burst"), (anonymous, "anonymous.burst")] {
+                if cost > l.burst() {
+                    return Err(invalid(
+                        format!("{field}.cost"),
+                        format!(
+                            "{cost} exceeds {f} {}: no request could ever be admitted",
+                            l.burst()
+                        ),
+                    ));
+                }
+            }
+            (Some(limit), Some(anonymous))
+        };
+        if out.iter().any(|o| {
+            o.route == p.route
+                && (o.methods.is_empty()
+                    || methods.is_empty()
+                    || o.methods.iter().any(|m| methods.contains(m)))
+        }) {
+            return Err(invalid(
+                format!("{field}.route"),
+                format!(
+                    "route {:?} overlaps an earlier policy for the same methods",
+                    p.route
+                ),
+            ));
+        }
+        out.push(Policy {
+            name: p.name,
+            route: p.route,
+            methods,
+            limit,
+            anonymous,
+            cost,
+            failure_mode: p.failure_mode,
+        });
+    }
+    Ok(out)
+}

@@ -1,0 +1,112 @@
+//! What the client sees for each outcome of the limiter: the request goes
+//! on to the API with rate-limit headers, or is answered here.
+//!
+//! | outcome | answer |
+//! |---|---|
+//! | admitted | the API's response, plus the `RateLimit-*` headers |
+//! | denied | 429 problem+json, `Retry-After` and the `RateLimit-*` headers |
+//! | unknown API key, admitted by its address's bucket | 401 problem+json, `WWW-Authenticate: Bearer`, the headers |
+//! | failed open | the API's response, without headers (nothing was counted) |
+//! | failed closed | 503 problem+json with `Retry-After` (the client is not at fault) |
+//! | malformed identity | 400 problem+json (500 if the server lacks peer addresses) |
+//! | the store refused the request itself | 500 problem+json; nothing admitted |
+
+use crate::headers::{Problem, ceil_secs, rate_limit_headers};
+use crate::identity::{IdentityError, KeyKind};
+use crate::limiter::Outcome;
+use axum::response::{IntoResponse, Response};
+use http::{HeaderMap, HeaderValue, header};
+
+/// What the middleware does with a request.
+#[derive(Debug)]
+pub enum Verdict {
+    /// Call the API, then add these headers to its response.
+    Pass(HeaderMap),
+    /// Answer in the API's place.
+    Answer(Response),
+}
+
+/// A problem, with `headers` beside its own.
+fn answer(problem: Problem, headers: HeaderMap) -> Verdict {
+    Verdict::Answer((headers, problem).into_response())
+}
+
+fn identity_problem(error: &IdentityError) -> Problem {
+    match error {
+        // A wiring bug on our side, not the client's fault; say nothing more.
+        IdentityError::NoPeerAddress => Problem::new(
+            "internal",
+            "Internal Server Error",
+            500,
+            "the request could not be attributed to a client",
+        ),
+        other => Problem::new("bad-identity", "Bad Request", 400, other.to_string()),
+    }
+}
+
+impl From<Outcome> for Verdict {
+    fn from(outcome: Outcome) -> Self {
+        match outcome {
+            Outcome::Unlimited => Verdict::Pass(HeaderMap::new()),
+            // Fail open: admitted, and no RateLimit headers, since no bucket
+            // was counted and any numbers would be made up.
+            Outcome::FailedOpen { .. } => Verdict::Pass(HeaderMap::new()),
+            Outcome::BadIdentity(error) => answer(identity_problem(&error), HeaderMap::new()),
+            Outcome::StoreFailed { policy, error } => {
+                // The store refused the request itself: a configuration
+                // error (validation should make it impossible). Our fault,
+                // not the client's, and nothing is admitted.
+                tracing::error!(policy = %policy.name, %error, "rate limit store refused the request");
+                let problem = Problem::new(
+                    "internal",
+                    "Internal Server Error",
+                    500,
+                    "the rate limiter cannot decide this request",
+                );
+                answer(problem, HeaderMap::new())
+            }
+            Outcome::Unavailable {
+                policy,
+                retry_after,
+            } => {
+                // Fail closed: 503, not 429, because the client is not at
+                // fault; Retry-After is the breaker's next probe.
+                let mut headers = HeaderMap::new();
+                headers.insert(header::RETRY_AFTER, ceil_secs(retry_after).into());
+                let problem = Problem::new(
+                    "limiter-unavailable",
+                    "Service Unavailable",
+                    503,
+                    format!(
+                        "the rate limiter for policy {} cannot decide right now",
+                        policy.name
+                    ),
+                );
+                answer(problem, headers)
+            }
+            Outcome::Decided {
+                policy,
+                limit,
+                decision,
+                kind,
+                ..
+            } => {
+                let mut headers = rate_limit_headers(&policy.name, &limit, &decision);
+                if !decision.allowed {
+                    return answer(Problem::rate_limited(&policy.name, &decision), headers);
+                }
+                if kind == KeyKind::UnknownApiKey {
+                    headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+                    let problem = Problem::new(
+                        "unknown-api-key",
+                        "Unauthorized",
+                        401,
+                        "the API key is not recognised",
+                    );
+                    return answer(problem, headers);
+                }
+                Verdict::Pass(headers)
+            }
+        }
+    }
+}

@@ -1,0 +1,50 @@
+//! The one place store errors are counted.
+//!
+//! Errors happen deep in the stack (a refused connection, a missed
+//! deadline) and are often absorbed above it (the failure policy decides
+//! instead), so counting them wherever they surface would count some twice
+//! and others never. This wrapper sits right above the backend (and its
+//! deadline) and counts each error once, by backend and kind.
+
+use super::{BoxFuture, Check, Checked, Store, StoreError};
+use crate::metrics as m;
+
+/// Counts every error of the store it wraps in
+/// `ratelimit_store_errors_total{backend, kind}`.
+#[derive(Debug)]
+pub struct Counted<S> {
+    inner: S,
+}
+
+impl<S> Counted<S> {
+    /// Wraps `inner`.
+    pub fn new(inner: S) -> Self {
+        Self { inner }
+    }
+}
+
+impl<S: Store> Store for Counted<S> {
+    fn check(&self, check: Check) -> BoxFuture<'_, Result<Checked, StoreError>> {
+        let call = self.inner.check(check);
+        Box::pin(async move {
+            let result = call.await;
+            if let Err(e) = &result {
+                metrics::counter!(
+                    m::STORE_ERRORS_TOTAL,
+                    "backend" => self.inner.backend(),
+                    "kind" => e.kind(),
+                )
+                .increment(1);
+            }
+            result
+        })
+    }
+
+    fn backend(&self) -> &'static str {
+        self.inner.backend()
+    }
+
+    fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        self.inner.ready()
+    }
+}

@@ -1,0 +1,98 @@
+//! The in-process store: every algorithm whose state fits 16 bytes, in a
+//! concurrent, sharded, memory-bounded [`Table`].
+//!
+//! Each algorithm packs its own state ([`crate::algorithm::Packed`]): its
+//! counts, and the instant from which the state is the same as none (a
+//! bucket's `full_at`, a window's end). That instant is what lets the table
+//! sweep idle entries exactly without knowing their limits; see [`table`]
+//! for the memory bound. The sliding log, whose state grows with traffic,
+//! needs Redis and is refused here by name.
+
+pub mod table;
+
+pub use table::Table;
+
+use super::{BoxFuture, Check, Checked, Source, Store, StoreError};
+use crate::algorithm::{self, Decision, PackedError};
+
+/// In-memory limit store. See the module documentation.
+#[derive(Debug)]
+pub struct MemoryStore {
+    table: Table,
+}
+
+impl MemoryStore {
+    /// A store holding at most about `max_keys` buckets in `shards` shards
+    /// (rounded up to a power of two). Both are at least 1.
+    pub fn new(max_keys: usize, shards: usize) -> Self {
+        Self {
+            table: Table::new(max_keys, shards),
+        }
+    }
+
+    /// The synchronous decision behind [`Store::check`], for callers that
+    /// can use it directly (benchmarks, the local share's tests).
+    pub fn decide(&self, check: &Check) -> Result<Decision, StoreError> {
+        let Check {
+            key,
+            limit,
+            cost,
+            now,
+            ceiling,
+            ..
+        } = *check;
+        self.table
+            .update(key, now, |packed| {
+                algorithm::check_packed(&limit, packed, cost, now, ceiling)
+            })
+            .map_err(|e| match e {
+                PackedError::Cost(e) => StoreError::CostExceedsBurst(e),
+                PackedError::DoesNotPack(algorithm) => StoreError::UnsupportedAlgorithm {
+                    backend: "memory",
+                    algorithm: algorithm.as_str(),
+                },
+            })
+    }
+
+    /// The table the buckets live in, for layers that keep their own
+    /// buckets beside the store's decisions (the failure policy's share).
+    pub fn table(&self) -> &Table {
+        &self.table
+    }
+
+    /// Buckets currently held (all shards; a snapshot).
+    pub fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    /// Whether no bucket is held.
+    pub fn is_empty(&self) -> bool {
+        self.table.is_empty()
+    }
+
+    /// Entries evicted before they were full again (the inexact path), ever.
+    pub fn pressure_evictions(&self) -> u64 {
+        self.table.pressure_evictions()
+    }
+
+    /// The most buckets this store holds at once.
+    pub fn capacity(&self) -> usize {
+        self.table.capacity()
+    }
+}
+
+impl Store for MemoryStore {
+    fn check(&self, check: Check) -> BoxFuture<'_, Result<Checked, StoreError>> {
+        let checked = self
+            .decide(&check)
+            .map(|decision| Checked::decided(decision, check.limit, Source::Memory));
+        Box::pin(std::future::ready(checked))
+    }
+
+    fn backend(&self) -> &'static str {
+        "memory"
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,143 @@
+//! The atomic store: one EVALSHA of the algorithm's script per check.
+//!
+//! What differs per algorithm (the script, its key space, how it reads the
+//! limit, whether it takes a hand-back ceiling) is asked of the algorithm's
+//! description ([`crate::algorithm`]); this store only does the I/O.
+
+use super::{RedisConnection, RedisSettings, redis_key};
+use crate::algorithm::{Algorithm, Decision};
+use crate::key::BucketKey;
+use crate::store::{BoxFuture, Check, Checked, Source, Store, StoreError};
+use redis::{RedisError, Script};
+use std::time::Duration;
+
+/// The atomic store. See the module docs.
+#[derive(Debug)]
+pub struct LuaStore {
+    connection: RedisConnection,
+    /// One per algorithm, in [`Algorithm::ALL`] order.
+    scripts: [Script; 5],
+    prefix: String,
+    ttl_margin_us: u64,
+}
+
+/// Parses a script's reply, `"<allowed> <remaining> <retry_us> <reset_us>"`.
+fn parse_reply(reply: &str) -> Option<(bool, u64, u64, u64)> {
+    let mut fields = reply.split(' ').map(str::parse::<u64>);
+    let allowed = fields.next()?.ok()?;
+    let remaining = fields.next()?.ok()?;
+    let retry = fields.next()?.ok()?;
+    let reset = fields.next()?.ok()?;
+    if fields.next().is_some() || allowed > 1 {
+        return None;
+    }
+    Some((allowed == 1, remaining, retry, reset))
+}
+
+impl LuaStore {
+    /// A store on `connection`.
+    pub fn new(connection: RedisConnection, settings: &RedisSettings) -> Self {
+        Self {
+            connection,
+            scripts: Algorithm::ALL.map(|a| Script::new(a.script())),
+            prefix: settings.prefix.clone(),
+            ttl_margin_us: u64::try_from(settings.ttl_margin.as_micros()).unwrap_or(u64::MAX),
+        }
+    }
+
+    fn script(&self, algorithm: Algorithm) -> &Script {
+        // `ALL` lists the variants in declaration order.
+        &self.scripts[algorithm as usize]
+    }
+
+    /// The SHA1 of `algorithm`'s script, as EVALSHA sends it.
+    pub fn script_hash(&self, algorithm: Algorithm) -> &str {
+        self.script(algorithm).get_hash()
+    }
+
+    /// The Redis key of `key` under `algorithm` with this store's prefix.
+    pub fn key_name(&self, algorithm: Algorithm, key: BucketKey) -> String {
+        redis_key(&self.prefix, algorithm, key)
+    }
+
+    /// The decision for `check`, straight from the script.
+    pub async fn decide(&self, check: &Check) -> Result<Decision, StoreError> {
+        let Check {
+            key,
+            limit,
+            cost,
+            now,
+            ceiling,
+            ..
+        } = *check;
+        limit.check_cost(cost)?;
+        let mut connection = self.connection.clone();
+        let algorithm = limit.algorithm();
+        let mut invocation = self.script(algorithm).key(self.key_name(algorithm, key));
+        invocation.arg(now).arg(cost);
+        for word in algorithm.script_args(&limit).as_slice() {
+            invocation.arg(*word);
+        }
+        invocation.arg(self.ttl_margin_us);
+        if let (Some(ceiling), true) = (ceiling, algorithm.takes_ceiling()) {
+            // At most the capacity, so the script's integers stay exact.
+            invocation.arg(ceiling.min(limit.capacity_units()));
+        }
+        let reply: String = invocation.invoke_async(&mut connection).await?;
+        let (allowed, remaining, retry_after, reset) = parse_reply(&reply).ok_or_else(|| {
+            RedisError::from((
+                redis::ErrorKind::UnexpectedReturnType,
+                "rate limit script reply",
+                reply.clone(),
+            ))
+        })?;
+        Ok(Decision {
+            allowed,
+            limit: limit.burst(),
+            remaining,
+            retry_after: Duration::from_micros(retry_after),
+            reset: Duration::from_micros(reset),
+        })
+    }
+}
+
+impl Store for LuaStore {
+    fn check(&self, check: Check) -> BoxFuture<'_, Result<Checked, StoreError>> {
+        Box::pin(async move {
+            let decision = self.decide(&check).await?;
+            Ok(Checked::decided(decision, check.limit, Source::Redis))
+        })
+    }
+
+    fn backend(&self) -> &'static str {
+        "lua"
+    }
+
+    fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(self.connection.ping())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn script_replies_parse_strictly() {
+        assert_eq!(parse_reply("1 99 0 100000"), Some((true, 99, 0, 100_000)));
+        assert_eq!(
+            parse_reply("0 0 4503599627370496 1"),
+            Some((false, 0, 1 << 52, 1))
+        );
+        for bad in ["", "1 2 3", "1 2 3 4 5", "2 0 0 0", "1 -1 0 0", "1 2.5 0 0"] {
+            assert_eq!(parse_reply(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn scripts_are_indexed_in_declaration_order() {
+        for (i, algorithm) in Algorithm::ALL.into_iter().enumerate() {
+            assert_eq!(algorithm as usize, i, "{algorithm:?}");
+        }
+    }
+}

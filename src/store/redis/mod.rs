@@ -1,0 +1,225 @@
+//! Limit state in Redis: the atomic Lua store and, deliberately, a racy one.
+//!
+//! The moment two instances run behind a balancer, in-process buckets lie:
+//! N instances admit N times the limit. Moving the state into Redis fixes
+//! that only if the read-modify-write is atomic:
+//!
+//! - [`LuaStore`] (`--backend lua`) runs each algorithm's script with
+//!   EVALSHA (redis-rs `Script` reloads it on NOSCRIPT). Redis runs a script
+//!   to the end before anything else, so read, refill, spend and write are
+//!   one step and no two instances can spend the same token.
+//! - [`NaiveStore`] (`--backend naive`) does GET, computes with the same pure
+//!   core in Rust, then SET. Between another instance's GET and SET this one
+//!   can read the same token, and both spend it. It exists to *measure* that
+//!   race (`cargo run -p loadtest -- race`); it is never a default.
+//!
+//! Keys are `<prefix><algorithm tag>{<bucket hex>}`: the hash tag keeps
+//! every key a script touches in one cluster slot, and the prefix lets
+//! deployments share a Redis. Keys expire when their state would equal no
+//! state again (plus a margin), which is exactly "no key".
+//!
+//! Connections: one multiplexed connection per process (standalone, through
+//! a `ConnectionManager` that reconnects) or a cluster connection; concurrent
+//! checks are pipelined on it. Timeouts and retries are set for a request
+//! path: the client defaults (500 ms response timeout, 6 retries) would stall
+//! every request behind a sick Redis.
+
+mod lua;
+mod naive;
+
+pub use lua::LuaStore;
+pub use naive::{NaiveStore, decode_state, encode_state};
+
+use super::StoreError;
+use crate::algorithm::Algorithm;
+use crate::key::BucketKey;
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, Pipeline, RedisError, RedisFuture, Value};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::OnceCell;
+
+/// How to reach Redis.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisSettings {
+    /// `redis://host:port[/db]` for standalone, or the seed nodes of a cluster.
+    pub urls: Vec<String>,
+    /// Whether `urls` are cluster seed nodes.
+    pub cluster: bool,
+    /// Prefix of every key (before the hash tag).
+    pub prefix: String,
+    /// Time allowed to open a connection.
+    pub connect_timeout: Duration,
+    /// Time allowed for one command's answer.
+    pub response_timeout: Duration,
+    /// Reconnection attempts (standalone) or retries (cluster) per failure.
+    pub retries: u32,
+    /// Added to a bucket's time-to-full to get its key's TTL.
+    pub ttl_margin: Duration,
+}
+
+/// A standalone or cluster connection; both pipeline concurrent callers.
+#[derive(Clone)]
+pub enum RedisConnection {
+    /// One server, reconnecting on failure.
+    Standalone(ConnectionManager),
+    /// A Redis Cluster, routed by slot, connected on first use.
+    Cluster(LazyCluster),
+}
+
+/// A cluster connection made on first use and kept: the service starts
+/// while the cluster is away and connects when it appears (the failure
+/// policy meanwhile decides; its breaker keeps the attempts few). Concurrent
+/// first uses wait for one attempt instead of each opening connections.
+#[derive(Clone)]
+pub struct LazyCluster {
+    // One allocation shared by every clone (a connection is cloned per check).
+    shared: Arc<(ClusterClient, OnceCell<ClusterConnection>)>,
+}
+
+impl std::fmt::Debug for LazyCluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LazyCluster")
+            .field("connected", &self.shared.1.initialized())
+            .finish()
+    }
+}
+
+impl LazyCluster {
+    async fn get(&self) -> Result<ClusterConnection, RedisError> {
+        if let Some(connection) = self.shared.1.get() {
+            return Ok(connection.clone());
+        }
+        // Connecting (slot map, one connection per master) can outlast the
+        // check's deadline, which drops this future: run it in its own task
+        // so that a dropped caller does not abort it and the next caller
+        // finds it done, instead of every attempt being cut short forever.
+        let shared = Arc::clone(&self.shared);
+        tokio::spawn(async move {
+            let (client, connection) = &*shared;
+            connection
+                .get_or_try_init(|| client.get_async_connection())
+                .await
+                .cloned()
+        })
+        .await
+        .map_err(|e| {
+            RedisError::from((
+                redis::ErrorKind::Client,
+                "cluster connect task failed",
+                e.to_string(),
+            ))
+        })?
+    }
+}
+
+impl std::fmt::Debug for RedisConnection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RedisConnection::Standalone(_) => "RedisConnection::Standalone",
+            RedisConnection::Cluster(_) => "RedisConnection::Cluster",
+        })
+    }
+}
+
+impl ConnectionLike for RedisConnection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            RedisConnection::Standalone(c) => c.req_packed_command(cmd),
+            RedisConnection::Cluster(c) => Box::pin(async move {
+                let mut connection = c.get().await?;
+                connection.req_packed_command(cmd).await
+            }),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            RedisConnection::Standalone(c) => c.req_packed_commands(pipeline, offset, count),
+            RedisConnection::Cluster(c) => Box::pin(async move {
+                let mut connection = c.get().await?;
+                connection
+                    .req_packed_commands(pipeline, offset, count)
+                    .await
+            }),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            RedisConnection::Standalone(c) => c.get_db(),
+            // Cluster has database 0 only.
+            RedisConnection::Cluster(_) => 0,
+        }
+    }
+}
+
+impl RedisConnection {
+    /// Connects as `settings` say, lazily: the first command connects (and
+    /// a failed attempt is retried by a later command), so the service
+    /// starts while Redis is away. Only invalid settings fail here.
+    pub async fn connect(settings: &RedisSettings) -> Result<Self, RedisError> {
+        if settings.cluster {
+            let client = redis::cluster::ClusterClientBuilder::new(settings.urls.clone())
+                .connection_timeout(settings.connect_timeout)
+                .response_timeout(settings.response_timeout)
+                .retries(settings.retries)
+                .min_retry_wait(1)
+                .max_retry_wait(50)
+                .build()?;
+            Ok(Self::Cluster(LazyCluster {
+                shared: Arc::new((client, OnceCell::new())),
+            }))
+        } else {
+            let url = settings
+                .urls
+                .first()
+                .map(String::as_str)
+                .unwrap_or("redis://127.0.0.1:6379");
+            let client = redis::Client::open(url)?;
+            let config = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(settings.connect_timeout))
+                .set_response_timeout(Some(settings.response_timeout))
+                .set_number_of_retries(settings.retries as usize)
+                .set_min_delay(Duration::from_millis(1))
+                .set_max_delay(Duration::from_millis(50));
+            Ok(Self::Standalone(ConnectionManager::new_lazy_with_config(
+                client, config,
+            )?))
+        }
+    }
+}
+
+impl RedisConnection {
+    /// PING: can this connection answer right now?
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        let mut connection = self.clone();
+        let _: String = redis::cmd("PING").query_async(&mut connection).await?;
+        Ok(())
+    }
+}
+
+/// The Redis key of `key` under `algorithm`: `<prefix><tag>{<32 hex digits>}`.
+pub fn redis_key(prefix: &str, algorithm: Algorithm, key: BucketKey) -> String {
+    format!("{prefix}{}{{{key}}}", algorithm.key_tag())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_carry_a_hash_tag_and_the_prefix() {
+        let key = redis_key("rl:", Algorithm::TokenBucket, BucketKey(0xabc));
+        assert_eq!(key, "rl:{00000000000000000000000000000abc}");
+        let key = redis_key("rl:", Algorithm::SlidingLog, BucketKey(0xabc));
+        assert_eq!(key, "rl:log:{00000000000000000000000000000abc}");
+    }
+}

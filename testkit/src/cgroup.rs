@@ -1,0 +1,74 @@
+//! A fraction of a core for a process: the cgroup v1 `cpu` controller's
+//! CFS quota, what `cpus: 0.5` does in compose. Needs root and a writable
+//! `/sys/fs/cgroup/cpu` (the project's machines have both).
+
+use anyhow::Context;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+const ROOT: &str = "/sys/fs/cgroup/cpu";
+/// The CFS period: quota is a share of it.
+const PERIOD_US: u64 = 100_000;
+
+/// A cgroup with a CPU quota; removed on drop (its processes must be gone
+/// by then, or they stay in it and the directory stays).
+#[derive(Debug)]
+pub struct CpuLimit {
+    dir: PathBuf,
+    quota_us: u64,
+}
+
+impl CpuLimit {
+    /// A new cgroup allowing `cores` of CPU time (at least 1% of one core).
+    pub fn new(tag: &str, cores: f64) -> anyhow::Result<Self> {
+        anyhow::ensure!(
+            cores.is_finite() && cores > 0.0,
+            "a CPU limit must be a positive number of cores"
+        );
+        static N: AtomicU32 = AtomicU32::new(0);
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        let dir = PathBuf::from(ROOT).join(format!("rl-{tag}-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).with_context(|| {
+            format!(
+                "cannot create {} (needs root and cgroup v1 cpu)",
+                dir.display()
+            )
+        })?;
+        let quota_us = ((cores * PERIOD_US as f64) as u64).max(PERIOD_US / 100);
+        std::fs::write(dir.join("cpu.cfs_period_us"), PERIOD_US.to_string())?;
+        std::fs::write(dir.join("cpu.cfs_quota_us"), quota_us.to_string())?;
+        Ok(Self { dir, quota_us })
+    }
+
+    /// Moves process `pid` (all its threads) into the cgroup.
+    pub fn add(&self, pid: u32) -> anyhow::Result<()> {
+        std::fs::write(self.dir.join("cgroup.procs"), pid.to_string())
+            .with_context(|| format!("cannot move {pid} into {}", self.dir.display()))
+    }
+
+    /// The processes in the cgroup now.
+    pub fn pids(&self) -> anyhow::Result<Vec<u32>> {
+        let text = std::fs::read_to_string(self.dir.join("cgroup.procs"))?;
+        Ok(text.lines().filter_map(|l| l.trim().parse().ok()).collect())
+    }
+
+    /// The quota, in microseconds per 100 ms period.
+    pub fn quota_us(&self) -> u64 {
+        self.quota_us
+    }
+
+    /// Times the cgroup's processes were throttled (`cpu.stat`).
+    pub fn throttled(&self) -> anyhow::Result<u64> {
+        let stat = std::fs::read_to_string(self.dir.join("cpu.stat"))?;
+        stat.lines()
+            .find_map(|l| l.strip_prefix("nr_throttled "))
+            .and_then(|n| n.trim().parse().ok())
+            .context("cpu.stat has no nr_throttled")
+    }
+}
+
+impl Drop for CpuLimit {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}

@@ -1,0 +1,29 @@
+//! Real servers for the workspace's tests and load runs, started on free
+//! loopback ports and stopped when dropped: what `tests/` and `loadtest`
+//! share (redis-rs's `redis-test` and tower's `tower-test` are the model).
+//!
+//! - [`process`]: free ports, waiting for a listener, child processes
+//!   killed and reaped on drop, scratch directories removed on drop;
+//! - [`redis`]: `redis-server` standalone (kill, restart empty, pause,
+//!   resume, a CPU limit) and a 3-master Redis Cluster;
+//! - [`cgroup`]: a fraction of a core for a process (cgroup v1 `cpu`), as
+//!   `cpus:` does in compose;
+//! - [`fleet`]: N API instances as separate processes, and the hammer that
+//!   sends one key's requests at them concurrently.
+//!
+//! It does not depend on the service crate: it starts programs by path, so
+//! the service's own tests and the load tool use it alike. Fakes of the
+//! service's traits stay in the service crate's tests.
+//!
+//! Everything here needs the binaries (Debian: `redis-server`,
+//! `redis-tools`); `.ci/run` installs them.
+
+pub mod cgroup;
+pub mod fleet;
+pub mod process;
+pub mod redis;
+
+pub use cgroup::CpuLimit;
+pub use fleet::{Fleet, Tally, hammer};
+pub use process::{ChildGuard, TempDir, free_port, wait_for_port};
+pub use redis::{RedisCluster, RedisServer, redis_cli};

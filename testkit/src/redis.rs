@@ -1,0 +1,228 @@
+//! `redis-server` processes: standalone, or three masters made a cluster.
+
+use crate::cgroup::CpuLimit;
+use crate::process::{ChildGuard, TempDir, free_port, wait_for_port};
+use anyhow::{Context, bail, ensure};
+use nix::sys::signal::Signal;
+use nix::unistd::Pid;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A real `redis-server` on a loopback port, persistence off, in a scratch
+/// directory; killed on drop. Fault scenarios can kill it, restart it on
+/// the same port (empty, as a server without persistence comes back),
+/// pause and resume it, and cap its CPU.
+#[derive(Debug)]
+pub struct RedisServer {
+    /// Its port on 127.0.0.1.
+    pub port: u16,
+    // Field order is drop order: the process dies before its cgroup and
+    // its directory go.
+    child: Option<ChildGuard>,
+    cpu_limit: Option<CpuLimit>,
+    pin: Option<usize>,
+    extra: Vec<String>,
+    dir: TempDir,
+}
+
+impl RedisServer {
+    /// On a free port.
+    pub fn start() -> anyhow::Result<Self> {
+        Self::start_with(&[])
+    }
+
+    /// On a free port, with extra server arguments.
+    pub fn start_with(extra: &[&str]) -> anyhow::Result<Self> {
+        Self::start_on(free_port()?, extra)
+    }
+
+    /// On a given port (a test that has pointed a service at it already).
+    pub fn start_on(port: u16, extra: &[&str]) -> anyhow::Result<Self> {
+        Self::launch(port, extra, None)
+    }
+
+    /// On a free port, pinned to one CPU with `taskset` (so a benchmark's
+    /// client and server do not share a core).
+    pub fn start_pinned(cpu: usize) -> anyhow::Result<Self> {
+        Self::launch(free_port()?, &[], Some(cpu))
+    }
+
+    fn launch(port: u16, extra: &[&str], pin: Option<usize>) -> anyhow::Result<Self> {
+        let mut server = Self {
+            port,
+            child: None,
+            cpu_limit: None,
+            pin,
+            extra: extra.iter().map(|s| (*s).to_owned()).collect(),
+            dir: TempDir::new(&format!("redis-{port}"))?,
+        };
+        server.spawn()?;
+        Ok(server)
+    }
+
+    fn spawn(&mut self) -> anyhow::Result<()> {
+        let mut command = match self.pin {
+            Some(cpu) => {
+                let mut c = Command::new("taskset");
+                c.args(["-c", &cpu.to_string(), "redis-server"]);
+                c
+            }
+            None => Command::new("redis-server"),
+        };
+        let child = command
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(&self.dir.0)
+            .args(&self.extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("cannot start redis-server (Debian: apt-get install redis-server)")?;
+        let child = ChildGuard(child);
+        if let Some(limit) = &self.cpu_limit {
+            limit.add(child.pid())?;
+        }
+        self.child = Some(child);
+        wait_for_port(self.port, "redis-server")
+    }
+
+    /// `redis://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// The server's process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(ChildGuard::pid)
+    }
+
+    /// Runs a redis-cli command against this server; its output.
+    pub fn cli(&self, args: &[&str]) -> anyhow::Result<String> {
+        redis_cli(self.port, args)
+    }
+
+    fn signal(&self, signal: Signal) -> anyhow::Result<()> {
+        let pid = self.pid().context("redis-server is not running")?;
+        nix::sys::signal::kill(Pid::from_raw(i32::try_from(pid)?), signal)?;
+        Ok(())
+    }
+
+    /// SIGKILL: the server vanishes with its data; connections are reset.
+    pub fn kill(&mut self) -> anyhow::Result<()> {
+        // Dropping the guard sends SIGKILL and reaps the process.
+        self.child.take().context("redis-server is not running")?;
+        Ok(())
+    }
+
+    /// Starts a fresh, empty server on the same port (under the same CPU
+    /// limit, if any).
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        ensure!(self.child.is_none(), "redis-server is still running");
+        self.spawn()
+    }
+
+    /// SIGSTOP: the server hangs; connections stay open, nothing answers.
+    pub fn pause(&self) -> anyhow::Result<()> {
+        self.signal(Signal::SIGSTOP)
+    }
+
+    /// SIGCONT: the hung server carries on with what queued up.
+    pub fn resume(&self) -> anyhow::Result<()> {
+        self.signal(Signal::SIGCONT)
+    }
+
+    /// Caps the server at `cores` of CPU time (0.25: a quarter of one core),
+    /// through a cgroup of its own; a restart stays under it.
+    pub fn limit_cpu(&mut self, cores: f64) -> anyhow::Result<()> {
+        let pid = self.pid().context("redis-server is not running")?;
+        let limit = CpuLimit::new(&format!("redis-{}", self.port), cores)?;
+        limit.add(pid)?;
+        self.cpu_limit = Some(limit);
+        Ok(())
+    }
+
+    /// The CPU limit set by [`RedisServer::limit_cpu`], if any.
+    pub fn cpu_limit(&self) -> Option<&CpuLimit> {
+        self.cpu_limit.as_ref()
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        // A stopped process still dies of SIGKILL, but resume anyway so
+        // nothing lingers in the stopped state if the kill were refused.
+        if self.child.is_some() {
+            let _ = self.resume();
+        }
+    }
+}
+
+/// Runs `redis-cli -p port args...`; its output, or an error with its stderr.
+pub fn redis_cli(port: u16, args: &[&str]) -> anyhow::Result<String> {
+    let out = Command::new("redis-cli")
+        .args(["-p", &port.to_string()])
+        .args(args)
+        .output()
+        .context("cannot run redis-cli (Debian: apt-get install redis-tools)")?;
+    if !out.status.success() {
+        bail!(
+            "redis-cli {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// A 3-master Redis Cluster on loopback, made with `redis-cli --cluster
+/// create`, ready (`cluster_state:ok` on every node) when returned.
+#[derive(Debug)]
+pub struct RedisCluster {
+    /// The masters.
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    /// On free ports.
+    pub fn start() -> anyhow::Result<Self> {
+        Self::start_on([free_port()?, free_port()?, free_port()?])
+    }
+
+    /// On given ports.
+    pub fn start_on(ports: [u16; 3]) -> anyhow::Result<Self> {
+        let nodes = ports
+            .iter()
+            .map(|&port| {
+                RedisServer::start_on(
+                    port,
+                    &["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"],
+                )
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let addresses: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let mut args = vec!["--cluster", "create"];
+        args.extend(addresses.iter().map(String::as_str));
+        args.extend(["--cluster-replicas", "0", "--cluster-yes"]);
+        redis_cli(nodes[0].port, &args)?;
+        // Wait until every node agrees the cluster is up.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for node in &nodes {
+            while !node.cli(&["cluster", "info"])?.contains("cluster_state:ok") {
+                ensure!(
+                    Instant::now() < deadline,
+                    "the cluster did not converge in 20 s"
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        Ok(Self { nodes })
+    }
+
+    /// The nodes' `redis://` URLs (seeds for a cluster client).
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisServer::url).collect()
+    }
+}
