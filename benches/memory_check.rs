@@ -73,21 +73,31 @@ fn bench_keys(group: &mut BenchmarkGroup<'_, WallTime>, n: usize) {
     let governor_keys: Vec<u64> = keys.iter().map(|&k| k as u64).collect();
     let limit = Limit::per_second(u64::from(BURST), u64::from(PER_SECOND)).expect("valid limit");
 
+    // One request value per caller, as the limiter builds one per request:
+    // each check sets its key and instant.
+    let mut check = Check::new(BucketKey(0), limit, 1, 0);
+
     let store = MemoryStore::new(MAX_KEYS, SHARDS);
     let clock = FastClock::default();
     cycle(group, "memory_store", &store_keys, |key| {
-        black_box(store.decide(&Check::new(key, limit, 1, clock.now()))).ok();
+        check.key = key;
+        check.now = clock.now();
+        black_box(store.decide(&check)).ok();
     });
 
     let store = MemoryStore::new(MAX_KEYS, SHARDS);
     cycle(group, "memory_store_system_clock", &store_keys, |key| {
-        black_box(store.decide(&Check::new(key, limit, 1, SystemClock.now()))).ok();
+        check.key = key;
+        check.now = SystemClock.now();
+        black_box(store.decide(&check)).ok();
     });
 
     let store = MemoryStore::new(MAX_KEYS, SHARDS);
     let now = SystemClock.now();
     cycle(group, "memory_store_fixed_now", &store_keys, |key| {
-        black_box(store.decide(&Check::new(key, limit, 1, black_box(now)))).ok();
+        check.key = key;
+        check.now = black_box(now);
+        black_box(store.decide(&check)).ok();
     });
 
     let quota = Quota::per_second(NonZeroU32::new(PER_SECOND).expect("nonzero"))

@@ -43,6 +43,7 @@ pub use decision::{Decision, Packed};
 pub use limit::{Algorithm, CostExceedsBurst, Limit, LimitError, MAX_EXACT, Window};
 
 use crate::clock::Micros;
+use std::time::Duration;
 use token_bucket::BucketState;
 
 /// How a Lua script reads the limit: the ARGV words after `now` and `cost`.
@@ -270,7 +271,7 @@ pub fn check(
     })
 }
 
-/// Why [`check_packed`] cannot decide.
+/// Why the in-process store cannot decide a request ([`check_packable`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum PackedError {
     /// The request can never fit the limit.
@@ -282,70 +283,93 @@ pub enum PackedError {
     DoesNotPack(Algorithm),
 }
 
-/// [`check`] on a packed state, as the in-process store keeps it: returns
-/// the decision and the packed state to keep (`None`: no entry).
+/// Refuses what the in-process store cannot decide: a cost above the
+/// burst, a state that does not pack (the log). What passes,
+/// [`decide_packed`] decides with no error left to carry.
+#[inline]
+pub fn check_packable(limit: &Limit, cost: u64) -> Result<(), PackedError> {
+    let algorithm = limit.algorithm();
+    // One branch on the hot path; the reasons are sorted out of line.
+    if cost <= limit.burst() && (algorithm == Algorithm::TokenBucket || algorithm.packs(limit)) {
+        return Ok(());
+    }
+    Err(not_packable(limit, cost))
+}
+
+#[cold]
+#[inline(never)]
+fn not_packable(limit: &Limit, cost: u64) -> PackedError {
+    match limit.check_cost(cost) {
+        Err(e) => PackedError::Cost(e),
+        Ok(()) => PackedError::DoesNotPack(limit.algorithm()),
+    }
+}
+
+/// [`check`] on a packed state, as the in-process store keeps it, for a
+/// request [`check_packable`] accepted: `state` is what the store holds
+/// (`None`: no entry) and is left holding what it should keep; a denial
+/// leaves it as it was.
 ///
 /// `ceiling` bounds a token bucket's level after refill (see
 /// [`token_bucket::check_within`]); other algorithms take none. A packed
 /// state is read as stored even past its `full_at` (a sweep drops it), so
 /// a clock stepping back into its window still finds it, as in Redis.
-pub fn check_packed(
+#[inline]
+pub fn decide_packed(
     limit: &Limit,
-    packed: Option<Packed>,
+    state: &mut Option<Packed>,
     cost: u64,
     now: Micros,
     ceiling: Option<u64>,
-) -> Result<(Decision, Option<Packed>), PackedError> {
-    let algorithm = limit.algorithm();
-    if !algorithm.packs(limit) {
-        return Err(PackedError::DoesNotPack(algorithm));
+) -> Decision {
+    // The hot path: the bucket on its own packed state, inlined.
+    if limit.algorithm() == Algorithm::TokenBucket {
+        return token_bucket::decide_packed(limit, state, cost, now, ceiling.unwrap_or(u64::MAX));
     }
+    decide_packed_other(limit, state, cost, now)
+}
+
+/// [`decide_packed`] for every algorithm but the bucket, through [`State`].
+#[inline(never)]
+fn decide_packed_other(
+    limit: &Limit,
+    state: &mut Option<Packed>,
+    cost: u64,
+    now: Micros,
+) -> Decision {
+    let algorithm = limit.algorithm();
     let w = limit.window().window_us;
-    let (decision, next) = match algorithm {
-        // The hot path: no detour through `State`.
-        Algorithm::TokenBucket => {
-            let state = packed.map(|p| BucketState::unpack(p, limit));
-            let (d, next) =
-                token_bucket::check_within(limit, state, cost, now, ceiling.unwrap_or(u64::MAX))?;
-            let kept = if !d.allowed {
-                // A denial changes nothing: keep the entry as it is.
-                packed
-            } else if d.reset.is_zero() {
-                // Full again: the same as no entry.
-                None
-            } else {
-                Some(next.pack(limit))
+    let unpacked = state.map(|p| match algorithm {
+        Algorithm::Gcra => State::Gcra(gcra::GcraState::unpack(p)),
+        Algorithm::FixedWindow => State::Fixed(fixed_window::FixedState::unpack(p, w)),
+        // Only the counter is left: the bucket has its own path, and the
+        // log does not pack (`check_packable`).
+        _ => State::Counter(sliding_window::CounterState::unpack(p, w)),
+    });
+    match check(limit, unpacked, cost, now) {
+        Ok((decision, next)) => {
+            let packed = match next {
+                None => None,
+                Some(State::Gcra(s)) => Some(s.pack()),
+                Some(State::Fixed(s)) => Some(s.pack()),
+                Some(State::Counter(s)) => s.pack(),
+                Some(State::Bucket(_) | State::Log(_)) => None,
             };
-            return Ok((d, kept));
+            if next.is_none() || packed.is_some() {
+                *state = packed;
+            }
+            decision
         }
-        Algorithm::Gcra => check(
-            limit,
-            packed.map(|p| State::Gcra(gcra::GcraState::unpack(p))),
-            cost,
-            now,
-        )?,
-        Algorithm::FixedWindow => check(
-            limit,
-            packed.map(|p| State::Fixed(fixed_window::FixedState::unpack(p, w))),
-            cost,
-            now,
-        )?,
-        Algorithm::SlidingWindow => check(
-            limit,
-            packed.map(|p| State::Counter(sliding_window::CounterState::unpack(p, w))),
-            cost,
-            now,
-        )?,
-        Algorithm::SlidingLog => return Err(PackedError::DoesNotPack(algorithm)),
-    };
-    let next = match next {
-        None => None,
-        Some(State::Gcra(s)) => Some(s.pack()),
-        Some(State::Fixed(s)) => Some(s.pack()),
-        Some(State::Counter(s)) => Some(s.pack().ok_or(PackedError::DoesNotPack(algorithm))?),
-        Some(State::Bucket(_) | State::Log(_)) => return Err(PackedError::DoesNotPack(algorithm)),
-    };
-    Ok((decision, next))
+        // Only a cost `check_packable` refuses gets here: deny it and keep
+        // the state, never admit.
+        Err(e) => Decision {
+            allowed: false,
+            limit: e.burst,
+            remaining: 0,
+            retry_after: Duration::MAX,
+            reset: Duration::ZERO,
+        },
+    }
 }
 
 #[cfg(test)]

@@ -33,6 +33,7 @@ impl BucketState {
     /// The state in 16 bytes: its tokens, and the instant it is full again
     /// (`last + ceil(deficit / rate)`), which lets a store drop it once full
     /// without knowing its limit.
+    #[inline]
     pub fn pack(&self, limit: &Limit) -> Packed {
         Packed {
             word: self.tokens,
@@ -52,6 +53,7 @@ impl BucketState {
 
     /// The state [`BucketState::pack`] packed, exactly: `last` is recovered
     /// from the limit every check passes in.
+    #[inline]
     pub fn unpack(packed: Packed, limit: &Limit) -> Self {
         Self {
             tokens: packed.word,
@@ -61,6 +63,7 @@ impl BucketState {
 }
 
 /// Microseconds a bucket holding `tokens` units takes to be full again.
+#[inline]
 fn to_full(limit: &Limit, tokens: u64) -> u64 {
     let deficit = limit.capacity_units().saturating_sub(tokens);
     let rate = limit.rate_units_per_us();
@@ -110,6 +113,20 @@ pub fn check_within(
     ceiling: u64,
 ) -> Result<(Decision, BucketState), CostExceedsBurst> {
     limit.check_cost(cost)?;
+    Ok(decide_within(limit, state, cost, now, ceiling))
+}
+
+/// [`check_within`] for a cost already checked against the burst (a larger
+/// one is denied, never admitted, with meaningless waits): the form that
+/// runs under a store's lock, with no error to carry.
+#[inline]
+pub fn decide_within(
+    limit: &Limit,
+    state: Option<BucketState>,
+    cost: u64,
+    now: Micros,
+    ceiling: u64,
+) -> (Decision, BucketState) {
     // Everything fits u64: capacity is at most 2^52 (checked in `Limit::new`),
     // and a refill that would overflow is larger than any deficit anyway.
     // (u64 rather than u128 also keeps the divisions single instructions.)
@@ -127,7 +144,7 @@ pub fn check_within(
     let at = now.max(last);
     tokens += (at - last).saturating_mul(rate).min(cap - tokens);
     tokens = tokens.min(ceiling);
-    let cost_units = cost * unit;
+    let cost_units = cost.saturating_mul(unit);
     let allowed = tokens >= cost_units;
     if allowed {
         tokens -= cost_units;
@@ -162,7 +179,26 @@ pub fn check_within(
     } else {
         given
     };
-    Ok((decision, state))
+    (decision, state)
+}
+
+/// [`decide_within`] on a packed state, as the in-process store keeps it:
+/// `state` (`None`: no entry, a full bucket) is left holding what to keep.
+/// A denial leaves it as it was; a bucket full again leaves no entry.
+#[inline]
+pub fn decide_packed(
+    limit: &Limit,
+    state: &mut Option<Packed>,
+    cost: u64,
+    now: Micros,
+    ceiling: u64,
+) -> Decision {
+    let bucket = state.map(|p| BucketState::unpack(p, limit));
+    let (decision, next) = decide_within(limit, bucket, cost, now, ceiling);
+    if decision.allowed {
+        *state = (!decision.reset.is_zero()).then(|| next.pack(limit));
+    }
+    decision
 }
 
 #[cfg(test)]

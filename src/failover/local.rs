@@ -12,7 +12,6 @@ use crate::clock::Micros;
 use crate::key::BucketKey;
 use crate::store::memory::Table;
 use crate::store::{Check, Checked, MemoryStore, Source, StoreError};
-use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -107,10 +106,9 @@ impl LocalShare {
             }
             .pack(&share)
         });
-        let _ = self
-            .store
+        self.store
             .table()
-            .update(check.key, check.now, |_| Ok::<_, Infallible>(((), next)));
+            .update(check.key, check.now, |state| *state = next);
     }
 
     /// The ceiling for a shared token bucket while the local one refills:

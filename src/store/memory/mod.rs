@@ -33,25 +33,11 @@ impl MemoryStore {
     /// The synchronous decision behind [`Store::check`], for callers that
     /// can use it directly (benchmarks, the local share's tests).
     pub fn decide(&self, check: &Check) -> Result<Decision, StoreError> {
-        let Check {
-            key,
-            limit,
-            cost,
-            now,
-            ceiling,
-            ..
-        } = *check;
-        self.table
-            .update(key, now, |packed| {
-                algorithm::check_packed(&limit, packed, cost, now, ceiling)
-            })
-            .map_err(|e| match e {
-                PackedError::Cost(e) => StoreError::CostExceedsBurst(e),
-                PackedError::DoesNotPack(algorithm) => StoreError::UnsupportedAlgorithm {
-                    backend: "memory",
-                    algorithm: algorithm.as_str(),
-                },
-            })
+        let limit = &check.limit;
+        algorithm::check_packable(limit, check.cost).map_err(refused)?;
+        Ok(self.table.update(check.key, check.now, |state| {
+            algorithm::decide_packed(limit, state, check.cost, check.now, check.ceiling)
+        }))
     }
 
     /// The table the buckets live in, for layers that keep their own
@@ -78,6 +64,19 @@ impl MemoryStore {
     /// The most buckets this store holds at once.
     pub fn capacity(&self) -> usize {
         self.table.capacity()
+    }
+}
+
+/// Why the store refused a request (out of line: the hot path never needs it).
+#[cold]
+#[inline(never)]
+fn refused(e: PackedError) -> StoreError {
+    match e {
+        PackedError::Cost(e) => StoreError::CostExceedsBurst(e),
+        PackedError::DoesNotPack(algorithm) => StoreError::UnsupportedAlgorithm {
+            backend: "memory",
+            algorithm: algorithm.as_str(),
+        },
     }
 }
 

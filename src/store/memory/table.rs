@@ -114,41 +114,48 @@ impl Table {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Runs `decide` on `key`'s entry (`None`: no entry) under its shard's
-    /// lock, and stores what it returns beside its result: `Some` an entry,
-    /// `None` no entry. `now` is for sweeping when a new entry needs room.
+    /// Runs `decide` on `key`'s entry under its shard's lock: it reads the
+    /// entry (`None`: no entry) and leaves in it what to keep (`None`: no
+    /// entry). `now` is for sweeping when a new entry needs room.
     ///
     /// The common case, a known key, takes one probe and updates in place.
-    pub fn update<R, E>(
+    #[inline]
+    pub fn update<R>(
         &self,
         key: BucketKey,
         now: Micros,
-        decide: impl FnOnce(Option<Packed>) -> Result<(R, Option<Packed>), E>,
-    ) -> Result<R, E> {
+        decide: impl FnOnce(&mut Option<Packed>) -> R,
+    ) -> R {
         let slot = SlotKey::from(key);
         let mut map = self.shard(slot);
-        if let Some(entry) = map.get_mut(&slot) {
-            let (result, next) = decide(Some(*entry))?;
-            match next {
-                Some(next) => *entry = next,
-                None => {
-                    map.remove(&slot);
+        let entry = map.get_mut(&slot);
+        let mut kept = entry.as_deref().copied();
+        // One call site, so the decision inlines here.
+        let result = decide(&mut kept);
+        match (entry, kept) {
+            // A denial changes nothing: leave the line clean (most checks
+            // under attack are denials, and 10k keys outgrow the cache).
+            (Some(entry), Some(next)) => {
+                if *entry != next {
+                    *entry = next;
                 }
             }
-            return Ok(result);
-        }
-        let (result, next) = decide(None)?;
-        if let Some(next) = next {
-            if map.len() >= self.per_shard {
-                let pressure = make_room(&mut map, self.per_shard, now);
-                if pressure > 0 {
-                    self.pressure_evictions
-                        .fetch_add(pressure, Ordering::Relaxed);
-                }
+            (Some(_), None) => {
+                map.remove(&slot);
             }
-            map.insert(slot, next);
+            (None, Some(next)) => {
+                if map.len() >= self.per_shard {
+                    let pressure = make_room(&mut map, self.per_shard, now);
+                    if pressure > 0 {
+                        self.pressure_evictions
+                            .fetch_add(pressure, Ordering::Relaxed);
+                    }
+                }
+                map.insert(slot, next);
+            }
+            (None, None) => {}
         }
-        Ok(result)
+        result
     }
 
     /// `key`'s entry, if any. Changes nothing.
