@@ -1,6 +1,6 @@
 -- token_bucket.lua: one atomic read-refill-clamp-spend-write of a token bucket.
--- The same integer fixed point as src/bucket.rs; a differential test demands
--- identical answers from both.
+-- The same integer fixed point as src/algorithm/token_bucket.rs; a
+-- differential test demands identical answers from both.
 --
 -- KEYS[1]  the bucket: a string of three packed doubles (tokens, last,
 --          expires), or absent (absent means full). One key, so it lives in

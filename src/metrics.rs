@@ -26,8 +26,11 @@ pub const CHECK_DURATION_SECONDS: &str = "ratelimit_check_duration_seconds";
 /// Counter: requests refused before a decision because their identifying
 /// headers were malformed. Labels: `reason` (see `IdentityError::kind`).
 pub const IDENTITY_ERRORS_TOTAL: &str = "ratelimit_identity_errors_total";
-/// Counter: store failures. Labels: `backend`, `kind` (`deadline`: the
-/// check's deadline passed; the others from `store::redis_error_kind`).
+/// Counter: store errors, counted once where they happen (`store::Counted`,
+/// right above the backend). Labels: `backend`, `kind` (`StoreError::kind`:
+/// `deadline` when the check's deadline passed, the Redis kinds from
+/// `store::redis_error_kind`, `cost_exceeds_burst` or
+/// `unsupported_algorithm` for a request the store refused).
 pub const STORE_ERRORS_TOTAL: &str = "ratelimit_store_errors_total";
 /// Counter: in-memory buckets dropped. Labels: `reason`: `idle` (full again,
 /// exact) or `pressure` (still refilling: `max_keys` is too small).

@@ -168,3 +168,87 @@ fn a_policy_picks_its_algorithm_for_both_limits() {
         "the default"
     );
 }
+
+/// The defaults in a docs table (`| `field` | flag / env | default |`
+/// rows) agree with the one declaration, `Settings::default()`. Computed
+/// defaults (`instance_id`, a random `key_secret`) and empty lists are
+/// described in words there and skipped here.
+fn check_defaults_table(name: &str, text: &str) -> usize {
+    let mut checked = 0;
+    for line in text.lines() {
+        let line = line.trim_start_matches("//!").trim();
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        // "", field, flag / env, default, ""
+        if cells.len() != 5 || !cells[2].contains("RL_") {
+            continue;
+        }
+        let first_code = |cell: &str| cell.split('`').nth(1).map(str::to_owned);
+        let field = first_code(cells[1]).unwrap();
+        let declared = default_of(&field);
+        if declared == "none" {
+            continue;
+        }
+        assert_eq!(
+            first_code(cells[3]).as_deref(),
+            Some(declared.as_str()),
+            "{name}: the default of {field}"
+        );
+        checked += 1;
+    }
+    checked
+}
+
+#[test]
+fn the_docs_state_the_declared_defaults() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    for file in ["README.md", "src/config/mod.rs"] {
+        let text = std::fs::read_to_string(format!("{root}/{file}")).unwrap();
+        let checked = check_defaults_table(file, &text);
+        assert!(checked >= 15, "{file}: only {checked} defaults found");
+    }
+    // And the flags' help quotes them.
+    let help = <Cli as clap::CommandFactory>::command()
+        .render_long_help()
+        .to_string();
+    for (flag, key) in [
+        ("--listen", "listen"),
+        ("--redis-response-timeout", "redis.response_timeout"),
+        ("--failure-deadline", "failure.deadline"),
+        ("--memory-max-keys", "memory.max_keys"),
+    ] {
+        let at = help.find(flag).unwrap_or_else(|| panic!("{flag} missing"));
+        let next = help[at..].find("\n  -").map_or(help.len(), |i| at + i);
+        assert!(
+            help[at..next].contains(&format!("[default: {}]", default_of(key))),
+            "{flag}'s help: {}",
+            &help[at..next]
+        );
+    }
+}
+
+/// Errors the layering itself finds (types, unknown keys) name the field
+/// as validation does, whatever its depth.
+#[test]
+fn type_and_unknown_field_errors_name_the_field() {
+    for (toml, field) in [
+        (
+            "[[policies]]\nname = \"a\"\nroute = \"/\"\nburst = \"x\"\nrate = 1\n",
+            "policies[0].burst",
+        ),
+        (
+            "[[policies]]\nname = \"a\"\nroute = \"/\"\nburst = 1\nrate = 1\nrat = 1\n",
+            "policies[0].rat",
+        ),
+        ("[failure]\nmode = \"maybe\"\n", "failure.mode"),
+        ("[redis]\nretries = -1\n", "redis.retries"),
+        ("backend = \"pigeon\"\n", "backend"),
+    ] {
+        let err = Config::from_toml(toml).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("{field}: ")),
+            "{err:?} does not name {field}"
+        );
+    }
+    let err = Config::from_toml("listen = ").unwrap_err().to_string();
+    assert!(err.contains("line 1"), "{err}");
+}

@@ -1,0 +1,164 @@
+//! Dependencies point one way (ARCHITECTURE.md): each top-level module of
+//! `src/` imports only modules of a lower layer. Read from the source, so a
+//! new upward import fails here with the line that makes it.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// Every top-level module and its layer; a module may import only modules
+/// of a strictly lower layer.
+const LAYERS: &[(&str, u32)] = &[
+    // Shared vocabulary: imports nothing of the crate.
+    ("key", 0),
+    ("clock", 0),
+    ("metrics", 0),
+    // The pure algorithms.
+    ("algorithm", 1),
+    // Where state lives, and the request/answer every layer speaks.
+    ("store", 2),
+    ("headers", 2),
+    ("identity", 2),
+    // Wrappers and data built on stores.
+    ("failover", 3),
+    ("policy", 3),
+    ("limiter", 4),
+    ("config", 4),
+    ("middleware", 5),
+    ("api", 6),
+    ("server", 7),
+];
+
+/// The code of a file without its tests and comments.
+fn code(text: &str) -> String {
+    let text = text.split("#[cfg(test)]").next().unwrap_or_default();
+    text.lines()
+        .filter(|l| !l.trim_start().starts_with("//"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// `crate::<module>` paths in `code`, each with the line it starts on.
+fn imports(code: &str) -> Vec<(String, String)> {
+    let ident = |s: &str| -> String {
+        s.trim()
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect()
+    };
+    let line_of = |at: usize| -> String {
+        let start = code[..at].rfind('\n').map_or(0, |i| i + 1);
+        let end = code[at..].find('\n').map_or(code.len(), |i| at + i);
+        code[start..end].trim().to_owned()
+    };
+    let mut out = Vec::new();
+    let mut from = 0;
+    while let Some(found) = code[from..].find("crate::") {
+        let at = from + found;
+        let rest = &code[at + "crate::".len()..];
+        from = at + "crate::".len();
+        if let Some(group) = rest.strip_prefix('{') {
+            // `use crate::{a, b::{c, d}}`: the first name of each top-level
+            // item of the group, which may span lines.
+            let mut depth = 0;
+            let mut item = String::new();
+            for c in group.chars() {
+                match c {
+                    '{' => depth += 1,
+                    '}' if depth == 0 => break,
+                    '}' => depth -= 1,
+                    ',' if depth == 0 => {
+                        out.push((ident(&item), line_of(at)));
+                        item.clear();
+                        continue;
+                    }
+                    _ => {}
+                }
+                if depth == 0 || item.is_empty() {
+                    item.push(c);
+                }
+            }
+            if !ident(&item).is_empty() {
+                out.push((ident(&item), line_of(at)));
+            }
+        } else {
+            out.push((ident(rest), line_of(at)));
+        }
+    }
+    out.retain(|(name, _)| !name.is_empty());
+    out
+}
+
+fn visit(dir: &Path, files: &mut Vec<std::path::PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            visit(&path, files);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            files.push(path);
+        }
+    }
+}
+
+#[test]
+fn every_module_imports_only_lower_layers() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let layer: BTreeMap<&str, u32> = LAYERS.iter().copied().collect();
+    let mut files = Vec::new();
+    visit(&src, &mut files);
+    let mut seen = std::collections::BTreeSet::new();
+    let mut upward = Vec::new();
+    for file in files {
+        let rel = file.strip_prefix(&src).unwrap();
+        let top = rel
+            .components()
+            .next()
+            .unwrap()
+            .as_os_str()
+            .to_string_lossy()
+            .trim_end_matches(".rs")
+            .to_owned();
+        if top == "lib" || top == "main" || rel.ends_with("tests.rs") {
+            continue;
+        }
+        let Some(&own) = layer.get(top.as_str()) else {
+            panic!("module {top} ({}) has no layer in LAYERS", rel.display());
+        };
+        seen.insert(top.clone());
+        for (dep, line) in imports(&code(&std::fs::read_to_string(&file).unwrap())) {
+            if dep == top {
+                continue;
+            }
+            let Some(&theirs) = layer.get(dep.as_str()) else {
+                panic!("{}: imports unknown module {dep}: {line}", rel.display());
+            };
+            if theirs >= own {
+                upward.push(format!(
+                    "{} (layer {own}) imports {dep} (layer {theirs}): {line}",
+                    rel.display()
+                ));
+            }
+        }
+    }
+    assert!(
+        upward.is_empty(),
+        "imports that point up:\n{}",
+        upward.join("\n")
+    );
+    let listed: std::collections::BTreeSet<String> =
+        LAYERS.iter().map(|(m, _)| (*m).to_owned()).collect();
+    assert_eq!(seen, listed, "LAYERS lists modules that do not exist");
+}
+
+#[test]
+fn the_check_reads_imports_as_written() {
+    let found = imports(
+        "use crate::algorithm::{Limit, Window};\nuse crate::{\n    key::BucketKey,\n    store::{Check, Store},\n};\nlet x = crate::metrics::X;",
+    );
+    let names: Vec<&str> = found.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["algorithm", "key", "store", "metrics"]);
+    assert_eq!(found[1].1, "use crate::{");
+    assert_eq!(
+        code("use crate::a;\n// crate::b\n#[cfg(test)]\nuse crate::c;"),
+        "use crate::a;"
+    );
+}
