@@ -18,6 +18,7 @@ use crate::headers::Problem;
 use crate::limiter::Limiter;
 use crate::middleware::RateLimitLayer;
 use crate::store::{FailureMode, Store};
+use crate::telemetry;
 use axum::extract::{Path, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -243,9 +244,14 @@ pub fn app(state: AppState) -> Router {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
+        // Outside the limiter: every matched route's template reaches the
+        // telemetry layer, 429s included.
+        .route_layer(axum::middleware::from_fn(telemetry::http::mark_route))
         .layer(axum::middleware::map_response_with_state(
             state.clone(),
             add_instance_id,
         ))
+        // Outermost: times and counts every response, 404s included.
+        .layer(telemetry::http::HttpLayer)
         .with_state(state)
 }

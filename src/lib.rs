@@ -25,6 +25,8 @@
 //! - [`algorithm`]: the token bucket, GCRA, fixed window, sliding log and
 //!   sliding-window counter, each pure: `(limit, state, cost, now)` to
 //!   `(decision, state)`; and the one description of what each needs.
+//! - [`telemetry`]: logs and OpenTelemetry traces (OTLP), and the HTTP
+//!   layer that times every response and opens the server span.
 //! - [`metrics`]: every metric name, in one place.
 //! - [`key`], [`clock`]: shared vocabulary (bucket keys, time as a value
 //!   passed in), importing nothing of the crate.
@@ -43,3 +45,4 @@ pub mod middleware;
 pub mod policy;
 pub mod server;
 pub mod store;
+pub mod telemetry;

@@ -12,10 +12,12 @@ use crate::identity::{Identifier, IdentityError, KeyHasher, KeyKind};
 use crate::metrics as m;
 use crate::policy::{Policies, RoutePolicy};
 use crate::store::{Check, Checked, Source, Store, StoreError};
+use crate::telemetry::TARGET;
 use http::{HeaderMap, Method};
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Instant;
+use tracing::Instrument;
 
 /// What the limiter concluded about one request.
 #[derive(Debug)]
@@ -57,6 +59,13 @@ pub enum Outcome {
         /// Why.
         error: StoreError,
     },
+    /// A policy in shadow mode decided (and counted) as usual; the request
+    /// passes whatever the decision, with no rate-limit headers that would
+    /// mislead the client.
+    Shadow {
+        /// The policy applied.
+        policy: Arc<RoutePolicy>,
+    },
 }
 
 /// Identity + policy + store. Shared by every request (`Arc`).
@@ -67,17 +76,38 @@ pub struct Limiter {
     hasher: KeyHasher,
     store: Arc<dyn Store>,
     clock: Arc<dyn Clock>,
+    near_limit_fraction: f64,
+}
+
+/// Counts a check in `ratelimit_checks_in_flight` while it lives (a check
+/// dropped with its request counts out too).
+struct InFlight;
+
+impl InFlight {
+    fn enter() -> Self {
+        metrics::gauge!(m::CHECKS_IN_FLIGHT).increment(1.0);
+        Self
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        metrics::gauge!(m::CHECKS_IN_FLIGHT).decrement(1.0);
+    }
 }
 
 impl Limiter {
     /// A limiter deciding `policies` for clients `identifier` recognises,
     /// keyed by `hasher`, through the `store` stack, at `clock`'s time.
+    /// Admissions that leave less than `near_limit_fraction` of the limit
+    /// are counted as near it.
     pub fn new(
         policies: Policies,
         identifier: Identifier,
         hasher: KeyHasher,
         store: Arc<dyn Store>,
         clock: Arc<dyn Clock>,
+        near_limit_fraction: f64,
     ) -> Self {
         Self {
             policies,
@@ -85,6 +115,7 @@ impl Limiter {
             hasher,
             store,
             clock,
+            near_limit_fraction,
         }
     }
 
@@ -108,6 +139,29 @@ impl Limiter {
             // Unlimited routes do not even look at identifying headers.
             return Outcome::Unlimited;
         }
+        let outcome = self.decide(policy, headers, peer).await;
+        if !policy.shadow {
+            return outcome;
+        }
+        // Shadow mode: decided and counted above; the request passes.
+        match outcome {
+            Outcome::StoreFailed { policy, error } => {
+                tracing::error!(policy = %policy.name, %error, "rate limit store refused a shadow policy's request");
+                Outcome::Shadow { policy }
+            }
+            _ => Outcome::Shadow {
+                policy: Arc::clone(policy),
+            },
+        }
+    }
+
+    /// Identity, key, one call down the store stack, and the metrics.
+    async fn decide(
+        &self,
+        policy: &Arc<RoutePolicy>,
+        headers: &HeaderMap,
+        peer: Option<IpAddr>,
+    ) -> Outcome {
         let (identity, kind) = match self.identifier.identify(headers, peer) {
             Ok(found) => found,
             Err(e) => {
@@ -121,11 +175,37 @@ impl Limiter {
         let key = self.hasher.bucket_key(&policy.name, &identity);
         let check =
             Check::new(key, limit, policy.cost, self.clock.now()).on_failure(policy.failure_mode);
+        // Never the key itself, nor the address or credential behind it.
+        let span = tracing::info_span!(
+            target: TARGET,
+            "ratelimit.check",
+            ratelimit.policy = &*policy.name,
+            ratelimit.algorithm = limit.algorithm().as_str(),
+            ratelimit.key_kind = kind.as_str(),
+            ratelimit.decision = tracing::field::Empty,
+            ratelimit.source = tracing::field::Empty,
+        );
         let started = Instant::now();
-        let result = self.store.check(check).await;
-        metrics::histogram!(m::CHECK_DURATION_SECONDS, "backend" => self.store.backend())
-            .record(started.elapsed().as_secs_f64());
-        let count = |verdict: &'static str, source: &'static str| {
+        let result = {
+            let _in_flight = InFlight::enter();
+            self.store.check(check).instrument(span.clone()).await
+        };
+        let elapsed = started.elapsed().as_secs_f64();
+        let source = match &result {
+            Ok(checked) => checked.source.as_str(),
+            Err(StoreError::Unavailable { .. }) => "failclosed",
+            Err(_) => "error",
+        };
+        metrics::histogram!(
+            m::CHECK_DURATION_SECONDS,
+            "backend" => self.store.backend(),
+            "policy" => Arc::clone(&policy.name),
+            "source" => source,
+        )
+        .record(elapsed);
+        span.record("ratelimit.source", source);
+        let count = |verdict: &'static str| {
+            span.record("ratelimit.decision", verdict);
             metrics::counter!(
                 m::DECISIONS_TOTAL,
                 "policy" => Arc::clone(&policy.name),
@@ -142,14 +222,22 @@ impl Limiter {
                 limit,
                 source,
             }) => {
-                count(
-                    if decision.allowed {
-                        "allowed"
-                    } else {
-                        "denied"
-                    },
-                    source.as_str(),
-                );
+                count(match (decision.allowed, policy.shadow) {
+                    (true, _) => "allowed",
+                    (false, false) => "denied",
+                    (false, true) => "shadow_denied",
+                });
+                if decision.allowed
+                    && (decision.remaining as f64)
+                        < self.near_limit_fraction * decision.limit as f64
+                {
+                    metrics::counter!(
+                        m::NEAR_LIMIT_TOTAL,
+                        "policy" => Arc::clone(&policy.name),
+                        "key_kind" => kind.as_str(),
+                    )
+                    .increment(1);
+                }
                 Outcome::Decided {
                     policy,
                     limit,
@@ -158,16 +246,12 @@ impl Limiter {
                     source,
                 }
             }
-            Ok(Checked {
-                decision: None,
-                source,
-                ..
-            }) => {
-                count("allowed", source.as_str());
+            Ok(Checked { decision: None, .. }) => {
+                count("allowed");
                 Outcome::FailedOpen { policy }
             }
             Err(StoreError::Unavailable { retry_after }) => {
-                count("unavailable", "failclosed");
+                count("unavailable");
                 Outcome::Unavailable {
                     policy,
                     retry_after,

@@ -6,7 +6,6 @@ use ratelimiter::server;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    server::init_logging();
     let config = Config::load(Cli::parse())?;
     server::run(config).await?;
     Ok(())

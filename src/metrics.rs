@@ -8,11 +8,27 @@
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::sync::OnceLock;
 
+/// Histogram: every HTTP response this instance sends, its duration from
+/// the request's arrival (the limiter's own 429/400/401/503 included), by
+/// the OpenTelemetry semantic-convention name and labels:
+/// `http_request_method` (the method, `_OTHER` for unknown ones),
+/// `http_route` (the route template; `unmatched` for no route),
+/// `http_response_status_code`. Request, error and throttle rates all come
+/// from its `_count`.
+pub const HTTP_SERVER_REQUEST_DURATION_SECONDS: &str = "http_server_request_duration_seconds";
 /// Counter: limiter decisions. Labels: `policy`, `decision`
-/// (`allowed`|`denied`|`unavailable`), `key_kind`
+/// (`allowed`|`denied`|`shadow_denied`|`unavailable`), `key_kind`
 /// (`api_key`|`ip`|`unknown_api_key`), `source` (`redis`|`memory`|`local`|
-/// `failopen`|`failclosed`: who decided; see `failover::Source`).
+/// `failopen`|`failclosed`: who decided; see `store::Source`).
+/// `shadow_denied`: a policy in shadow mode would have refused, and did not.
 pub const DECISIONS_TOTAL: &str = "ratelimit_decisions_total";
+/// Counter: admitted requests that left less than `near_limit_fraction` of
+/// their limit: clients close to being throttled. Labels: `policy`,
+/// `key_kind`.
+pub const NEAR_LIMIT_TOTAL: &str = "ratelimit_near_limit_total";
+/// Gauge: checks waiting on the store stack right now (a Redis that slows
+/// down shows here first).
+pub const CHECKS_IN_FLIGHT: &str = "ratelimit_checks_in_flight";
 /// Gauge: 1 while this instance's Redis breaker is not closed, so policies
 /// are decided by their failure mode (local share, open or closed).
 pub const FALLBACK_ACTIVE: &str = "ratelimit_fallback_active";
@@ -21,8 +37,26 @@ pub const BREAKER_STATE: &str = "ratelimit_breaker_state";
 /// Counter: breaker state changes. Labels: `from`, `to`
 /// (`closed`|`open`|`half_open`).
 pub const BREAKER_TRANSITIONS_TOTAL: &str = "ratelimit_breaker_transitions_total";
-/// Histogram: time spent deciding (store round trip included). Labels: `backend`.
+/// Histogram: time spent deciding (store round trip included). Labels:
+/// `backend`, `policy`, `source` (who decided, as in `DECISIONS_TOTAL`;
+/// `error` when the store refused the request itself), so Redis-decided
+/// checks are apart from local ones.
 pub const CHECK_DURATION_SECONDS: &str = "ratelimit_check_duration_seconds";
+/// Histogram: every call to Redis, by the node that served it. Labels:
+/// `node` (`host:port`; for a cluster, the owner of the key's slot in the
+/// slot map), `script` (the algorithm's script, or the naive store's
+/// command: `naive_get`, `naive_set`, `naive_del`). A call cut short by the
+/// check's deadline is recorded when it is dropped.
+pub const REDIS_CALL_DURATION_SECONDS: &str = "ratelimit_redis_call_duration_seconds";
+/// Counter: failed Redis calls by node. Labels: `node`, `kind` (the Redis
+/// kinds of `store::redis_error_kind`, or `deadline` for a call dropped at
+/// the deadline). `STORE_ERRORS_TOTAL` counts what the limiter saw; this
+/// says where.
+pub const REDIS_ERRORS_TOTAL: &str = "ratelimit_redis_errors_total";
+/// Counter: trace spans not exported. Labels: `reason` (`queue_full`: the
+/// export queue was full, so the span was dropped rather than wait;
+/// `export_failed`: the collector refused or did not answer in time).
+pub const TRACE_SPANS_DROPPED_TOTAL: &str = "ratelimit_trace_spans_dropped_total";
 /// Counter: requests refused before a decision because their identifying
 /// headers were malformed. Labels: `reason` (see `IdentityError::kind`).
 pub const IDENTITY_ERRORS_TOTAL: &str = "ratelimit_identity_errors_total";
@@ -37,6 +71,26 @@ pub const STORE_ERRORS_TOTAL: &str = "ratelimit_store_errors_total";
 pub const MEMORY_EVICTIONS_TOTAL: &str = "ratelimit_memory_evictions_total";
 /// Gauge, always 1: which instance and backend this is. Labels: `instance`, `backend`.
 pub const INSTANCE_INFO: &str = "ratelimit_instance_info";
+
+/// Every metric above, for checks that dashboards and alerts name only
+/// metrics that exist.
+pub const ALL: &[&str] = &[
+    HTTP_SERVER_REQUEST_DURATION_SECONDS,
+    DECISIONS_TOTAL,
+    NEAR_LIMIT_TOTAL,
+    CHECKS_IN_FLIGHT,
+    FALLBACK_ACTIVE,
+    BREAKER_STATE,
+    BREAKER_TRANSITIONS_TOTAL,
+    CHECK_DURATION_SECONDS,
+    REDIS_CALL_DURATION_SECONDS,
+    REDIS_ERRORS_TOTAL,
+    TRACE_SPANS_DROPPED_TOTAL,
+    IDENTITY_ERRORS_TOTAL,
+    STORE_ERRORS_TOTAL,
+    MEMORY_EVICTIONS_TOTAL,
+    INSTANCE_INFO,
+];
 
 /// Buckets for `*_seconds` histograms: from 10 µs (an in-memory check) to
 /// 1 s, dense around the 0.1–5 ms a Redis round trip takes.
@@ -68,7 +122,27 @@ pub fn install() -> PrometheusHandle {
 }
 
 fn describe() {
+    metrics::describe_histogram!(
+        HTTP_SERVER_REQUEST_DURATION_SECONDS,
+        metrics::Unit::Seconds,
+        "Duration of HTTP server responses, every status included"
+    );
     metrics::describe_counter!(DECISIONS_TOTAL, "Rate limiter decisions");
+    metrics::describe_counter!(
+        NEAR_LIMIT_TOTAL,
+        "Admitted requests that left less than near_limit_fraction of their limit"
+    );
+    metrics::describe_gauge!(CHECKS_IN_FLIGHT, "Limiter checks waiting on the store");
+    metrics::describe_histogram!(
+        REDIS_CALL_DURATION_SECONDS,
+        metrics::Unit::Seconds,
+        "Redis calls by the node that served them"
+    );
+    metrics::describe_counter!(REDIS_ERRORS_TOTAL, "Failed Redis calls by node and kind");
+    metrics::describe_counter!(
+        TRACE_SPANS_DROPPED_TOTAL,
+        "Trace spans not exported: queue full or export failed"
+    );
     metrics::describe_histogram!(
         CHECK_DURATION_SECONDS,
         metrics::Unit::Seconds,

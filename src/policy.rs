@@ -26,6 +26,8 @@ pub struct Policy {
     pub cost: u64,
     /// What this policy does while Redis cannot decide (`None`: `failure.mode`).
     pub failure_mode: Option<FailureMode>,
+    /// Shadow mode: decide and count as usual, never refuse.
+    pub shadow: bool,
 }
 
 /// A route policy, resolved: shared by every request it applies to.
@@ -41,6 +43,9 @@ pub struct RoutePolicy {
     pub cost: u64,
     /// What to do while the shared store cannot decide.
     pub failure_mode: FailureMode,
+    /// Shadow mode: decide and count as usual, never refuse (for rolling a
+    /// limit out: the metrics show whom it would have throttled).
+    pub shadow: bool,
 }
 
 impl RoutePolicy {
@@ -53,6 +58,7 @@ impl RoutePolicy {
             anonymous: p.anonymous,
             cost: p.cost,
             failure_mode: p.failure_mode.unwrap_or(default_mode),
+            shadow: p.shadow,
         }
     }
 

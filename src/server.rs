@@ -12,6 +12,7 @@ use crate::metrics as m;
 use crate::policy::Policies;
 use crate::store::redis::RedisConnection;
 use crate::store::{Backend, Counted, LuaStore, MemoryStore, NaiveStore, Store};
+use crate::telemetry;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -94,6 +95,7 @@ pub fn build_limiter(config: &Config, store: Arc<dyn Store>, clock: Arc<dyn Cloc
         KeyHasher::new(secret),
         store,
         clock,
+        config.near_limit_fraction,
     )
 }
 
@@ -137,17 +139,28 @@ pub enum RunError {
     /// Serving failed.
     #[error("serving failed: {0}")]
     Serve(std::io::Error),
+    /// Telemetry could not start.
+    #[error(transparent)]
+    Telemetry(#[from] telemetry::TelemetryError),
 }
 
 /// Runs one instance as configured until ctrl-c or SIGTERM: what the
 /// `ratelimiter` binary does (and what load tests spawn).
 pub async fn run(config: Config) -> Result<(), RunError> {
+    let telemetry = telemetry::init(&config.tracing, &config.instance_id)?;
+    let result = run_instance(&config).await;
+    // Spans still queued go out before the process ends.
+    telemetry.shutdown(Duration::from_secs(2)).await;
+    result
+}
+
+async fn run_instance(config: &Config) -> Result<(), RunError> {
     if config.key_secret.is_none() {
         tracing::warn!(
             "key_secret not set: identities are hashed with a random per-process key; set RL_KEY_SECRET when instances share a store"
         );
     }
-    let state = build_state(&config, Arc::new(FastClock::default())).await?;
+    let state = build_state(config, Arc::new(FastClock::default())).await?;
     let listener = TcpListener::bind(config.listen)
         .await
         .map_err(|source| RunError::Bind {
@@ -165,16 +178,6 @@ pub async fn run(config: Config) -> Result<(), RunError> {
     serve(listener, state, shutdown_signal())
         .await
         .map_err(RunError::Serve)
-}
-
-/// Logs to stderr, filtered by `RUST_LOG` (default `info`).
-pub fn init_logging() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
 }
 
 /// Serves `state` on `listener` until `shutdown` completes, then finishes

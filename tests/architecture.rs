@@ -12,8 +12,10 @@ const LAYERS: &[(&str, u32)] = &[
     ("key", 0),
     ("clock", 0),
     ("metrics", 0),
-    // The pure algorithms.
+    // The pure algorithms; telemetry's vocabulary and setup (stores name
+    // their spans with it).
     ("algorithm", 1),
+    ("telemetry", 1),
     // Where state lives, and the request/answer every layer speaks.
     ("store", 2),
     ("headers", 2),

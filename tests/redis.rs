@@ -24,6 +24,7 @@ fn settings(urls: Vec<String>, cluster: bool) -> RedisSettings {
         response_timeout: Duration::from_secs(2),
         retries: 2,
         ttl_margin: Duration::from_secs(1),
+        topology_refresh: Duration::from_secs(1),
     }
 }
 
@@ -617,4 +618,106 @@ async fn sliding_log_members_stay_unique_after_a_later_trim() {
             .unwrap();
         assert_eq!(got, expected, "now={now} cost={cost}");
     }
+}
+
+/// Every Redis call is timed by the node that served it. In a cluster the
+/// node comes from the slot map, and follows a slot moved to another node
+/// (its keys with it: the bucket carries on where it was).
+#[test]
+fn redis_calls_are_labelled_by_their_node_and_the_label_follows_a_moved_slot() {
+    use ratelimiter::store::redis::topology;
+    let handle = ratelimiter::metrics::install();
+    let cluster = RedisCluster::start().unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut s = settings(cluster.urls(), true);
+    s.prefix = "moved:".into();
+    s.topology_refresh = Duration::from_millis(100);
+    let store = rt.block_on(lua(&s));
+    let key = BucketKey(0x5107_0000);
+    let name = store.key_name(Algorithm::TokenBucket, key);
+    let slot = cluster.keyslot(&name).unwrap();
+    assert_eq!(
+        topology::slot(name.as_bytes()),
+        slot,
+        "our CRC16 is the cluster's"
+    );
+    let from = cluster.owner(slot).unwrap();
+    let to = (from + 1) % cluster.nodes.len();
+    let node = |i: usize| format!("127.0.0.1:{}", cluster.nodes[i].port);
+    let calls = |i: usize| {
+        support::metric(
+            &handle.render(),
+            "ratelimit_redis_call_duration_seconds_count",
+            &[("node", &node(i)), ("script", "token_bucket")],
+        )
+    };
+    let limit = Limit::new(1000, 1, Duration::from_secs(3600)).unwrap();
+    let mut remaining = Vec::new();
+    // Until the task has read the slot map, a call is labelled `unknown`.
+    let mut check_until_on = |i: usize| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let before = calls(i);
+            let d = rt
+                .block_on(store.decide(&Check::new(key, limit, 1, T0)))
+                .unwrap();
+            remaining.push(d.remaining);
+            if calls(i) == before + 1.0 {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "calls never labelled {}",
+                node(i)
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    check_until_on(from);
+    let others: Vec<f64> = (0..3).filter(|&i| i != from).map(calls).collect();
+    check_until_on(from);
+    assert_eq!(
+        (0..3).filter(|&i| i != from).map(calls).collect::<Vec<_>>(),
+        others,
+        "a call of slot {slot} was labelled with another node"
+    );
+    cluster.move_slot(slot, to).unwrap();
+    check_until_on(to);
+    // The key moved with its slot: the bucket counted on, never reset.
+    assert!(
+        remaining.windows(2).all(|w| w[1] + 1 == w[0]),
+        "{remaining:?}"
+    );
+}
+
+/// A call the deadline cuts short is counted against its node, as a
+/// `deadline` error, on the Redis call's own metrics.
+#[tokio::test]
+async fn a_call_cut_short_by_the_deadline_is_counted_against_its_node() {
+    use ratelimiter::failover::Deadline;
+    let handle = ratelimiter::metrics::install();
+    let redis = RedisServer::start().unwrap();
+    let mut s = settings(vec![redis.url()], false);
+    s.response_timeout = Duration::from_secs(5);
+    let store = Deadline::new(lua(&s).await, Duration::from_millis(100));
+    let node = format!("127.0.0.1:{}", redis.port);
+    let errors = || {
+        support::metric(
+            &handle.render(),
+            "ratelimit_redis_errors_total",
+            &[("node", &node), ("kind", "deadline")],
+        )
+    };
+    let limit = Limit::per_second(10, 1).unwrap();
+    // Connected and answering first.
+    assert!(allowed(&store, BucketKey(1), limit).await);
+    assert_eq!(errors(), 0.0);
+    redis.pause().unwrap();
+    let err = store
+        .check(Check::new(BucketKey(1), limit, 1, T0))
+        .await
+        .unwrap_err();
+    redis.resume().unwrap();
+    assert_eq!(err.kind(), "deadline");
+    assert_eq!(errors(), 1.0);
 }

@@ -107,6 +107,7 @@ pub(crate) fn bench_settings(url: &str, prefix: &str) -> RedisSettings {
         response_timeout: Duration::from_secs(2),
         retries: 1,
         ttl_margin: Duration::from_secs(1),
+        topology_refresh: Duration::from_secs(1),
     }
 }
 

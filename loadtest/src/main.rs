@@ -139,7 +139,6 @@ async fn main() -> anyhow::Result<()> {
             );
         }
         Command::Instance(cli) => {
-            ratelimiter::server::init_logging();
             let config = ratelimiter::config::Config::load(*cli)?;
             ratelimiter::server::run(config).await?;
         }

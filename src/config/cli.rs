@@ -7,6 +7,7 @@
 
 use super::file::Settings;
 use crate::store::{Backend, FailureMode};
+use crate::telemetry::{OtlpProtocol, SamplerKind};
 use clap::{Args, Parser};
 use serde::Serialize;
 use std::path::PathBuf;
@@ -66,12 +67,17 @@ pub struct Cli {
     #[arg(long, env = "RL_IPV6_PREFIX", help = help("IPv6 clients are keyed by this prefix length", "ipv6_prefix"))]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ipv6_prefix: Option<u8>,
+    #[arg(long, env = "RL_NEAR_LIMIT_FRACTION", help = help("An admitted request leaving less than this fraction of its limit counts as near the limit", "near_limit_fraction"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub near_limit_fraction: Option<f64>,
     #[command(flatten)]
     pub memory: MemoryFlags,
     #[command(flatten)]
     pub redis: RedisFlags,
     #[command(flatten)]
     pub failure: FailureFlags,
+    #[command(flatten)]
+    pub tracing: TracingFlags,
 }
 
 /// `[memory]` flags.
@@ -114,6 +120,9 @@ pub struct RedisFlags {
     #[arg(long = "redis-ttl-margin", env = "RL_REDIS_TTL_MARGIN", help = help("Added to a bucket's time-to-full for its key's TTL", "redis.ttl_margin"))]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ttl_margin: Option<String>,
+    #[arg(long = "redis-topology-refresh", env = "RL_REDIS_TOPOLOGY_REFRESH", help = help("How often a cluster's slot map is re-read (per-node metrics follow it)", "redis.topology_refresh"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub topology_refresh: Option<String>,
 }
 
 /// `[failure]` flags.
@@ -134,4 +143,34 @@ pub struct FailureFlags {
     #[arg(long = "breaker-cooldown", env = "RL_BREAKER_COOLDOWN", help = help("How long the open breaker waits before probing Redis", "failure.breaker_cooldown"))]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub breaker_cooldown: Option<String>,
+}
+
+/// `[tracing]` flags; the environment names are OpenTelemetry's own.
+#[derive(Debug, Clone, Default, Args, Serialize)]
+pub struct TracingFlags {
+    /// The OTLP collector, e.g. http://127.0.0.1:4318 [default: none: traces are not exported]
+    #[arg(long = "otlp-endpoint", env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<String>,
+    #[arg(long = "otlp-protocol", env = "OTEL_EXPORTER_OTLP_PROTOCOL", value_enum, help = help("OTLP transport", "tracing.protocol"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub protocol: Option<OtlpProtocol>,
+    #[arg(long = "service-name", env = "OTEL_SERVICE_NAME", help = help("service.name of the exported spans", "tracing.service_name"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub service_name: Option<String>,
+    #[arg(long = "traces-sampler", env = "OTEL_TRACES_SAMPLER", value_enum, help = help("Which traces to keep", "tracing.sampler"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sampler: Option<SamplerKind>,
+    #[arg(long = "traces-sampler-arg", env = "OTEL_TRACES_SAMPLER_ARG", help = help("The ratio of the ratio samplers, 0 to 1", "tracing.sampler_arg"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sampler_arg: Option<f64>,
+    #[arg(long = "trace-queue-size", env = "RL_TRACE_QUEUE_SIZE", help = help("Spans waiting for export, at most (more are dropped, counted)", "tracing.queue_size"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub queue_size: Option<usize>,
+    #[arg(long = "trace-batch-delay", env = "RL_TRACE_BATCH_DELAY", help = help("The longest a span waits for its batch", "tracing.batch_delay"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub batch_delay: Option<String>,
+    #[arg(long = "trace-export-timeout", env = "RL_TRACE_EXPORT_TIMEOUT", help = help("The longest one export may take", "tracing.export_timeout"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub export_timeout: Option<String>,
 }

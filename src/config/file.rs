@@ -9,10 +9,11 @@
 
 use crate::algorithm::Algorithm;
 use crate::store::{Backend, FailureMode};
+use crate::telemetry::{OtlpProtocol, SamplerKind};
 use serde::{Deserialize, Serialize};
 
 /// Every setting, as layered. See the module docs.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Settings {
     /// `listen`.
@@ -27,12 +28,17 @@ pub struct Settings {
     pub key_secret: Option<String>,
     /// `ipv6_prefix`.
     pub ipv6_prefix: u8,
+    /// `near_limit_fraction`: an admitted request that leaves less than this
+    /// fraction of its limit is counted as near the limit.
+    pub near_limit_fraction: f64,
     /// `[memory]`.
     pub memory: MemoryFile,
     /// `[redis]`.
     pub redis: RedisFile,
     /// `[failure]`.
     pub failure: FailureFile,
+    /// `[tracing]`.
+    pub tracing: TracingFile,
     /// `[[api_keys]]`.
     pub api_keys: Vec<ApiKeyFile>,
     /// `[[policies]]`.
@@ -67,6 +73,8 @@ pub struct RedisFile {
     pub retries: u32,
     /// Added to a key's time-to-full for its TTL.
     pub ttl_margin: String,
+    /// How often a cluster's slot map is re-read.
+    pub topology_refresh: String,
 }
 
 /// `[failure]`.
@@ -83,6 +91,28 @@ pub struct FailureFile {
     pub breaker_failures: u32,
     /// How long the open breaker waits before probing.
     pub breaker_cooldown: String,
+}
+
+/// `[tracing]`: OpenTelemetry trace export.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TracingFile {
+    /// The OTLP collector (`None`: no export).
+    pub endpoint: Option<String>,
+    /// `grpc` or `http/protobuf`.
+    pub protocol: OtlpProtocol,
+    /// `service.name`.
+    pub service_name: String,
+    /// Which traces to keep.
+    pub sampler: SamplerKind,
+    /// The ratio of the ratio samplers.
+    pub sampler_arg: f64,
+    /// Spans waiting for export, at most; more are dropped and counted.
+    pub queue_size: usize,
+    /// The longest a span waits for its batch.
+    pub batch_delay: String,
+    /// The longest one export may take.
+    pub export_timeout: String,
 }
 
 /// One `[[api_keys]]` entry.
@@ -136,6 +166,9 @@ pub struct PolicyFile {
     pub failure_mode: Option<FailureMode>,
     /// The algorithm (default `token_bucket`).
     pub algorithm: Option<Algorithm>,
+    /// Decide and count, never refuse.
+    #[serde(default)]
+    pub shadow: bool,
 }
 
 impl Default for Settings {
@@ -148,6 +181,8 @@ impl Default for Settings {
             trusted_proxies: Vec::new(),
             key_secret: None,
             ipv6_prefix: 64,
+            // envoy ratelimit's near-limit ratio is 0.8 of the limit used.
+            near_limit_fraction: 0.2,
             memory: MemoryFile {
                 max_keys: 1_000_000,
                 shards: 64,
@@ -161,6 +196,7 @@ impl Default for Settings {
                 response_timeout: "50ms".into(),
                 retries: 1,
                 ttl_margin: "1s".into(),
+                topology_refresh: "1s".into(),
             },
             failure: FailureFile {
                 mode: FailureMode::Local,
@@ -169,6 +205,19 @@ impl Default for Settings {
                 instances: 1,
                 breaker_failures: 5,
                 breaker_cooldown: "500ms".into(),
+            },
+            tracing: TracingFile {
+                endpoint: None,
+                // The OTLP specification's default transport.
+                protocol: OtlpProtocol::HttpProtobuf,
+                service_name: "ratelimiter".into(),
+                // Follow the caller's decision; keep every trace we start
+                // (lower the ratio under real traffic).
+                sampler: SamplerKind::ParentbasedTraceIdRatio,
+                sampler_arg: 1.0,
+                queue_size: 2048,
+                batch_delay: "1s".into(),
+                export_timeout: "5s".into(),
             },
             api_keys: Vec::new(),
             // Without policies in the file: every /api/ route, 100 at 10/s.
@@ -184,6 +233,7 @@ impl Default for Settings {
                 anonymous: None,
                 failure_mode: None,
                 algorithm: None,
+                shadow: false,
             }],
         }
     }

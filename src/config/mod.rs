@@ -12,6 +12,7 @@
 //! | `trusted_proxies` | `--trusted-proxy` (repeatable) / `RL_TRUSTED_PROXIES` (comma separated) | none |
 //! | `key_secret` | `--key-secret` / `RL_KEY_SECRET` | random per process |
 //! | `ipv6_prefix` | `--ipv6-prefix` / `RL_IPV6_PREFIX` | `64` |
+//! | `near_limit_fraction` | `--near-limit-fraction` / `RL_NEAR_LIMIT_FRACTION` | `0.2` |
 //! | `memory.max_keys` | `--memory-max-keys` / `RL_MEMORY_MAX_KEYS` | `1000000` |
 //! | `memory.shards` | `--memory-shards` / `RL_MEMORY_SHARDS` | `64` |
 //! | `redis.url` | `--redis-url` / `RL_REDIS_URL` | `redis://127.0.0.1:6379` |
@@ -21,11 +22,20 @@
 //! | `redis.response_timeout` | `--redis-response-timeout` / `RL_REDIS_RESPONSE_TIMEOUT` | `50ms` |
 //! | `redis.retries` | `--redis-retries` / `RL_REDIS_RETRIES` | `1` |
 //! | `redis.ttl_margin` | `--redis-ttl-margin` / `RL_REDIS_TTL_MARGIN` | `1s` |
+//! | `redis.topology_refresh` | `--redis-topology-refresh` / `RL_REDIS_TOPOLOGY_REFRESH` | `1s` |
 //! | `failure.mode` | `--failure-mode` / `RL_FAILURE_MODE` | `local` (`open`, `closed`, `local`; per policy: `failure_mode`) |
 //! | `failure.deadline` | `--failure-deadline` / `RL_FAILURE_DEADLINE` | `10ms` |
 //! | `failure.instances` | `--failure-instances` / `RL_FAILURE_INSTANCES` | `1` |
 //! | `failure.breaker_failures` | `--breaker-failures` / `RL_BREAKER_FAILURES` | `5` |
 //! | `failure.breaker_cooldown` | `--breaker-cooldown` / `RL_BREAKER_COOLDOWN` | `500ms` |
+//! | `tracing.endpoint` | `--otlp-endpoint` / `OTEL_EXPORTER_OTLP_ENDPOINT` | none: traces are not exported |
+//! | `tracing.protocol` | `--otlp-protocol` / `OTEL_EXPORTER_OTLP_PROTOCOL` | `http/protobuf` (or `grpc`) |
+//! | `tracing.service_name` | `--service-name` / `OTEL_SERVICE_NAME` | `ratelimiter` |
+//! | `tracing.sampler` | `--traces-sampler` / `OTEL_TRACES_SAMPLER` | `parentbased_traceidratio` |
+//! | `tracing.sampler_arg` | `--traces-sampler-arg` / `OTEL_TRACES_SAMPLER_ARG` | `1.0` |
+//! | `tracing.queue_size` | `--trace-queue-size` / `RL_TRACE_QUEUE_SIZE` | `2048` |
+//! | `tracing.batch_delay` | `--trace-batch-delay` / `RL_TRACE_BATCH_DELAY` | `1s` |
+//! | `tracing.export_timeout` | `--trace-export-timeout` / `RL_TRACE_EXPORT_TIMEOUT` | `5s` |
 //! | `[[api_keys]]` | file only | none |
 //! | `[[policies]]` | file only | one policy `api`: route `/api/`, burst 100, 10/s |
 //!
@@ -51,13 +61,14 @@ pub mod file;
 mod parse;
 mod validate;
 
-pub use cli::{Cli, FailureFlags, MemoryFlags, RedisFlags, default_of};
+pub use cli::{Cli, FailureFlags, MemoryFlags, RedisFlags, TracingFlags, default_of};
 pub use parse::parse_period;
 
 use crate::failover::FailoverSettings;
 use crate::policy::Policy;
 use crate::store::Backend;
 use crate::store::redis::RedisSettings;
+use crate::telemetry::TracingSettings;
 use figment::Figment;
 use figment::providers::{Format, Serialized, Toml};
 use ipnet::IpNet;
@@ -97,12 +108,17 @@ pub struct Config {
     pub key_secret: Option<[u8; 16]>,
     /// Prefix length IPv6 clients are keyed by.
     pub ipv6_prefix: u8,
+    /// Admissions leaving less than this fraction of the limit count as
+    /// near it.
+    pub near_limit_fraction: f64,
     /// Memory backend settings (also the local share's size).
     pub memory: MemoryConfig,
     /// Redis settings (used by the naive and lua backends).
     pub redis: RedisSettings,
     /// Deadline, breaker and failure mode around Redis.
     pub failover: FailoverSettings,
+    /// Trace export.
+    pub tracing: TracingSettings,
     /// Verified API keys.
     pub api_keys: Vec<ApiKeyConfig>,
     /// Route policies.

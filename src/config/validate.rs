@@ -4,7 +4,7 @@
 //! support of the backend, the local share of the failure policy).
 
 use super::file::{
-    ApiKeyFile, FailureFile, LimitFile, MemoryFile, PolicyFile, RedisFile, Settings,
+    ApiKeyFile, FailureFile, LimitFile, MemoryFile, PolicyFile, RedisFile, Settings, TracingFile,
 };
 use super::parse::{default_instance_id, parse_hex32, parse_period, parse_proxy, valid_name};
 use super::{ApiKeyConfig, Config, ConfigError, MemoryConfig};
@@ -14,6 +14,7 @@ use crate::identity::{ApiKeys, valid_key};
 use crate::policy::Policy;
 use crate::store::Backend;
 use crate::store::redis::RedisSettings;
+use crate::telemetry::TracingSettings;
 use std::time::Duration;
 
 fn invalid(field: impl Into<String>, message: impl std::fmt::Display) -> ConfigError {
@@ -66,6 +67,12 @@ pub(super) fn validate(s: Settings) -> Result<Config, ConfigError> {
     if s.ipv6_prefix > 128 {
         return Err(invalid("ipv6_prefix", "must be between 0 and 128"));
     }
+    if !(0.0..=1.0).contains(&s.near_limit_fraction) {
+        return Err(invalid(
+            "near_limit_fraction",
+            "must be a fraction of the limit, from 0 to 1",
+        ));
+    }
 
     let memory = memory(s.memory)?;
     let backend = s.backend;
@@ -80,6 +87,7 @@ pub(super) fn validate(s: Settings) -> Result<Config, ConfigError> {
     }
     let redis = redis(s.redis)?;
     let failover = failover(s.failure)?;
+    let tracing = tracing(s.tracing)?;
     let api_keys = api_keys(s.api_keys)?;
     let policies = policies(s.policies, backend)?;
     // Every policy's local share must be a limit the service can keep.
@@ -104,11 +112,50 @@ pub(super) fn validate(s: Settings) -> Result<Config, ConfigError> {
         trusted_proxies,
         key_secret,
         ipv6_prefix: s.ipv6_prefix,
+        near_limit_fraction: s.near_limit_fraction,
         memory,
         redis,
         failover,
+        tracing,
         api_keys,
         policies,
+    })
+}
+
+fn tracing(t: TracingFile) -> Result<TracingSettings, ConfigError> {
+    let endpoint = match t.endpoint.map(|e| e.trim().to_owned()) {
+        // An empty variable is how an environment says "none".
+        None => None,
+        Some(e) if e.is_empty() => None,
+        Some(e) if e.starts_with("http://") || e.starts_with("https://") => Some(e),
+        Some(e) => {
+            return Err(invalid(
+                "tracing.endpoint",
+                format!("{e:?} is not an http:// or https:// URL"),
+            ));
+        }
+    };
+    if !(0.0..=1.0).contains(&t.sampler_arg) {
+        return Err(invalid(
+            "tracing.sampler_arg",
+            "must be a ratio from 0 to 1",
+        ));
+    }
+    if !(1..=1_000_000).contains(&t.queue_size) {
+        return Err(invalid("tracing.queue_size", "must be from 1 to 1000000"));
+    }
+    if t.service_name.is_empty() {
+        return Err(invalid("tracing.service_name", "must not be empty"));
+    }
+    Ok(TracingSettings {
+        endpoint,
+        protocol: t.protocol,
+        service_name: t.service_name,
+        sampler: t.sampler,
+        sampler_arg: t.sampler_arg,
+        queue_size: t.queue_size,
+        batch_delay: duration("tracing.batch_delay", &t.batch_delay)?,
+        export_timeout: duration("tracing.export_timeout", &t.export_timeout)?,
     })
 }
 
@@ -193,6 +240,7 @@ fn redis(r: RedisFile) -> Result<RedisSettings, ConfigError> {
         response_timeout,
         retries: r.retries,
         ttl_margin: duration("redis.ttl_margin", &r.ttl_margin)?,
+        topology_refresh: duration("redis.topology_refresh", &r.topology_refresh)?,
     })
 }
 
@@ -325,10 +373,11 @@ fn policies(list: Vec<PolicyFile>, backend: Backend) -> Result<Vec<Policy>, Conf
                 || p.cost.is_some()
                 || p.failure_mode.is_some()
                 || p.algorithm.is_some()
+                || p.shadow
             {
                 return Err(invalid(
                     &field,
-                    "an unlimited policy takes no burst, rate, cost, anonymous limit, failure_mode or algorithm",
+                    "an unlimited policy takes no burst, rate, cost, anonymous limit, failure_mode, algorithm or shadow",
                 ));
             }
             (None, None)
@@ -396,6 +445,7 @@ fn policies(list: Vec<PolicyFile>, backend: Backend) -> Result<Vec<Policy>, Conf
             anonymous,
             cost,
             failure_mode: p.failure_mode,
+            shadow: p.shadow,
         });
     }
     Ok(out)

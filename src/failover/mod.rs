@@ -58,6 +58,7 @@ pub use local::{LocalShare, share, try_share};
 use crate::clock::Micros;
 use crate::metrics as m;
 use crate::store::{BoxFuture, Check, Checked, FailureMode, Source, Store, StoreError};
+use crate::telemetry::TARGET;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -233,6 +234,13 @@ impl<S: Store> Store for Failover<S> {
                         self.breaker.failure(permit);
                     }
                 }
+            } else {
+                // On the check's span: Redis was not asked at all.
+                tracing::info!(
+                    target: TARGET,
+                    breaker = self.breaker.state().as_str(),
+                    "redis skipped: the circuit breaker is open"
+                );
             }
             self.fall_back(&check)
         })

@@ -10,6 +10,7 @@
 //! | failed closed | 503 problem+json with `Retry-After` (the client is not at fault) |
 //! | malformed identity | 400 problem+json (500 if the server lacks peer addresses) |
 //! | the store refused the request itself | 500 problem+json; nothing admitted |
+//! | any of these under a policy in shadow mode | the API's response, without headers |
 
 use crate::headers::{Problem, ceil_secs, rate_limit_headers};
 use crate::identity::{IdentityError, KeyKind};
@@ -48,6 +49,9 @@ impl From<Outcome> for Verdict {
     fn from(outcome: Outcome) -> Self {
         match outcome {
             Outcome::Unlimited => Verdict::Pass(HeaderMap::new()),
+            // Shadow mode: counted, never refused, and no headers, which
+            // would tell the client of a limit that is not enforced.
+            Outcome::Shadow { .. } => Verdict::Pass(HeaderMap::new()),
             // Fail open: admitted, and no RateLimit headers, since no bucket
             // was counted and any numbers would be made up.
             Outcome::FailedOpen { .. } => Verdict::Pass(HeaderMap::new()),

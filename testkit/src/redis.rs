@@ -225,4 +225,81 @@ impl RedisCluster {
     pub fn urls(&self) -> Vec<String> {
         self.nodes.iter().map(RedisServer::url).collect()
     }
+
+    /// Node `i`'s cluster id.
+    pub fn node_id(&self, i: usize) -> anyhow::Result<String> {
+        Ok(self.nodes[i].cli(&["cluster", "myid"])?.trim().to_owned())
+    }
+
+    /// The slot `key` hashes to, as the cluster computes it.
+    pub fn keyslot(&self, key: &str) -> anyhow::Result<u16> {
+        Ok(self.nodes[0]
+            .cli(&["cluster", "keyslot", key])?
+            .trim()
+            .parse()?)
+    }
+
+    /// The index of the node that serves `slot`.
+    pub fn owner(&self, slot: u16) -> anyhow::Result<usize> {
+        for (i, node) in self.nodes.iter().enumerate() {
+            // Each node's own view of what it serves.
+            let nodes = node.cli(&["cluster", "nodes"])?;
+            let me = nodes
+                .lines()
+                .find(|l| l.contains("myself"))
+                .context("CLUSTER NODES without myself")?;
+            if serves(me, slot) {
+                return Ok(i);
+            }
+        }
+        bail!("no node serves slot {slot}")
+    }
+
+    /// Moves `slot` and its keys to node `to`, as `redis-cli --cluster
+    /// reshard` does: importing/migrating, MIGRATE the keys, then every node
+    /// told the new owner. Returns when every node agrees.
+    pub fn move_slot(&self, slot: u16, to: usize) -> anyhow::Result<()> {
+        let from = self.owner(slot)?;
+        ensure!(from != to, "node {to} already serves slot {slot}");
+        let (from_id, to_id) = (self.node_id(from)?, self.node_id(to)?);
+        let slot_arg = slot.to_string();
+        self.nodes[to].cli(&["cluster", "setslot", &slot_arg, "importing", &from_id])?;
+        self.nodes[from].cli(&["cluster", "setslot", &slot_arg, "migrating", &to_id])?;
+        loop {
+            let keys = self.nodes[from].cli(&["cluster", "getkeysinslot", &slot_arg, "100"])?;
+            let keys: Vec<&str> = keys.split_whitespace().collect();
+            if keys.is_empty() {
+                break;
+            }
+            let port = self.nodes[to].port.to_string();
+            let mut args = vec!["migrate", "127.0.0.1", &port, "", "0", "5000", "KEYS"];
+            args.extend(keys);
+            self.nodes[from].cli(&args)?;
+        }
+        for node in &self.nodes {
+            node.cli(&["cluster", "setslot", &slot_arg, "node", &to_id])?;
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self.owner(slot)? != to {
+            ensure!(
+                Instant::now() < deadline,
+                "slot {slot} did not move in 20 s"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(())
+    }
+}
+
+/// Whether a `CLUSTER NODES` line serves `slot` (ranges `a-b` or single
+/// slots after the eighth field).
+fn serves(line: &str, slot: u16) -> bool {
+    line.split_whitespace().skip(8).any(|range| {
+        let mut bounds = range.splitn(2, '-').map(str::parse::<u16>);
+        match (bounds.next(), bounds.next()) {
+            (Some(Ok(a)), Some(Ok(b))) => (a..=b).contains(&slot),
+            (Some(Ok(a)), None) => a == slot,
+            _ => false,
+        }
+    })
 }

@@ -91,3 +91,22 @@ pub fn header<'a>(r: &'a reqwest::Response, name: &str) -> &'a str {
         .to_str()
         .unwrap()
 }
+
+/// The value of the series `name{labels...}` in Prometheus text `text`
+/// (0 if absent): the first line of `name` whose labels include all of
+/// `labels`.
+pub fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let (metric, rest) = series.split_once('{').unwrap_or((series, ""));
+            (metric == name
+                && labels
+                    .iter()
+                    .all(|(k, v)| rest.contains(&format!("{k}=\"{v}\""))))
+            .then(|| value.parse::<f64>().ok())?
+        })
+        .next()
+        .unwrap_or(0.0)
+}

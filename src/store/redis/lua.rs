@@ -4,12 +4,14 @@
 //! limit, whether it takes a hand-back ceiling) is asked of the algorithm's
 //! description ([`crate::algorithm`]); this store only does the I/O.
 
+use super::call::Call;
 use super::{RedisConnection, RedisSettings, redis_key};
 use crate::algorithm::{Algorithm, Decision};
 use crate::key::BucketKey;
 use crate::store::{BoxFuture, Check, Checked, Source, Store, StoreError};
 use redis::{RedisError, Script};
 use std::time::Duration;
+use tracing::Instrument;
 
 /// The atomic store. See the module docs.
 #[derive(Debug)]
@@ -73,7 +75,14 @@ impl LuaStore {
         limit.check_cost(cost)?;
         let mut connection = self.connection.clone();
         let algorithm = limit.algorithm();
-        let mut invocation = self.script(algorithm).key(self.key_name(algorithm, key));
+        let name = self.key_name(algorithm, key);
+        let call = Call::start(
+            self.connection.topology(),
+            &name,
+            "EVALSHA",
+            algorithm.as_str(),
+        );
+        let mut invocation = self.script(algorithm).key(name);
         invocation.arg(now).arg(cost);
         for word in algorithm.script_args(&limit).as_slice() {
             invocation.arg(*word);
@@ -83,7 +92,12 @@ impl LuaStore {
             // At most the capacity, so the script's integers stay exact.
             invocation.arg(ceiling.min(limit.capacity_units()));
         }
-        let reply: String = invocation.invoke_async(&mut connection).await?;
+        let reply: Result<String, RedisError> = invocation
+            .invoke_async(&mut connection)
+            .instrument(call.span())
+            .await;
+        call.finish(&reply, self.connection.topology());
+        let reply = reply?;
         let (allowed, remaining, retry_after, reset) = parse_reply(&reply).ok_or_else(|| {
             RedisError::from((
                 redis::ErrorKind::UnexpectedReturnType,

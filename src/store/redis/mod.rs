@@ -24,11 +24,14 @@
 //! path: the client defaults (500 ms response timeout, 6 retries) would stall
 //! every request behind a sick Redis.
 
+mod call;
 mod lua;
 mod naive;
+pub mod topology;
 
 pub use lua::LuaStore;
 pub use naive::{NaiveStore, decode_state, encode_state};
+pub use topology::{Node, Topology};
 
 use super::StoreError;
 use crate::algorithm::Algorithm;
@@ -58,11 +61,20 @@ pub struct RedisSettings {
     pub retries: u32,
     /// Added to a bucket's time-to-full to get its key's TTL.
     pub ttl_margin: Duration,
+    /// How often a cluster's slot map is re-read (see [`topology`]).
+    pub topology_refresh: Duration,
 }
 
 /// A standalone or cluster connection; both pipeline concurrent callers.
+/// It knows which node serves a key ([`Topology`]).
 #[derive(Clone)]
-pub enum RedisConnection {
+pub struct RedisConnection {
+    link: Link,
+    topology: Arc<Topology>,
+}
+
+#[derive(Clone)]
+enum Link {
     /// One server, reconnecting on failure.
     Standalone(ConnectionManager),
     /// A Redis Cluster, routed by slot, connected on first use.
@@ -117,18 +129,18 @@ impl LazyCluster {
 
 impl std::fmt::Debug for RedisConnection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            RedisConnection::Standalone(_) => "RedisConnection::Standalone",
-            RedisConnection::Cluster(_) => "RedisConnection::Cluster",
+        f.write_str(match self.link {
+            Link::Standalone(_) => "RedisConnection::Standalone",
+            Link::Cluster(_) => "RedisConnection::Cluster",
         })
     }
 }
 
 impl ConnectionLike for RedisConnection {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
-        match self {
-            RedisConnection::Standalone(c) => c.req_packed_command(cmd),
-            RedisConnection::Cluster(c) => Box::pin(async move {
+        match &mut self.link {
+            Link::Standalone(c) => c.req_packed_command(cmd),
+            Link::Cluster(c) => Box::pin(async move {
                 let mut connection = c.get().await?;
                 connection.req_packed_command(cmd).await
             }),
@@ -141,9 +153,9 @@ impl ConnectionLike for RedisConnection {
         offset: usize,
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
-        match self {
-            RedisConnection::Standalone(c) => c.req_packed_commands(pipeline, offset, count),
-            RedisConnection::Cluster(c) => Box::pin(async move {
+        match &mut self.link {
+            Link::Standalone(c) => c.req_packed_commands(pipeline, offset, count),
+            Link::Cluster(c) => Box::pin(async move {
                 let mut connection = c.get().await?;
                 connection
                     .req_packed_commands(pipeline, offset, count)
@@ -153,10 +165,10 @@ impl ConnectionLike for RedisConnection {
     }
 
     fn get_db(&self) -> i64 {
-        match self {
-            RedisConnection::Standalone(c) => c.get_db(),
+        match &self.link {
+            Link::Standalone(c) => c.get_db(),
             // Cluster has database 0 only.
-            RedisConnection::Cluster(_) => 0,
+            Link::Cluster(_) => 0,
         }
     }
 }
@@ -174,9 +186,20 @@ impl RedisConnection {
                 .min_retry_wait(1)
                 .max_retry_wait(50)
                 .build()?;
-            Ok(Self::Cluster(LazyCluster {
+            let link = Link::Cluster(LazyCluster {
                 shared: Arc::new((client, OnceCell::new())),
-            }))
+            });
+            // The slot map is read over the same (lazy) connection.
+            let reader = Self {
+                link: link.clone(),
+                topology: Arc::new(Topology::Standalone(Arc::new(Node {
+                    label: Arc::from("unknown"),
+                    host: Arc::from("unknown"),
+                    port: 0,
+                }))),
+            };
+            let topology = Topology::cluster(reader, settings.topology_refresh);
+            Ok(Self { link, topology })
         } else {
             let url = settings
                 .urls
@@ -190,10 +213,16 @@ impl RedisConnection {
                 .set_number_of_retries(settings.retries as usize)
                 .set_min_delay(Duration::from_millis(1))
                 .set_max_delay(Duration::from_millis(50));
-            Ok(Self::Standalone(ConnectionManager::new_lazy_with_config(
-                client, config,
-            )?))
+            Ok(Self {
+                link: Link::Standalone(ConnectionManager::new_lazy_with_config(client, config)?),
+                topology: Arc::new(Topology::standalone(url)),
+            })
         }
+    }
+
+    /// Where keys live.
+    pub fn topology(&self) -> &Topology {
+        &self.topology
     }
 }
 

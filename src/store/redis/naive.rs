@@ -6,13 +6,16 @@
 //! little-endian doubles: tokens in units, the instant they were computed
 //! for, and when the key expires) under the same key.
 
+use super::call::Call;
 use super::{RedisConnection, RedisSettings, redis_key};
 use crate::algorithm::token_bucket::{self, BucketState};
 use crate::algorithm::{Algorithm, Decision, Limit};
 use crate::clock::Micros;
 use crate::key::BucketKey;
 use crate::store::{BoxFuture, Check, Checked, Source, Store, StoreError};
+use redis::RedisError;
 use std::time::Duration;
+use tracing::Instrument;
 
 /// The stored value: tokens, last and the key's expiry (microseconds), as
 /// three little-endian doubles (what the Lua script's
@@ -68,13 +71,30 @@ impl NaiveStore {
         redis_key(&self.prefix, Algorithm::TokenBucket, key)
     }
 
+    /// One command, observed (see `call.rs`).
+    async fn run<T: redis::FromRedisValue>(
+        &self,
+        command: redis::Cmd,
+        name: &str,
+        operation: &'static str,
+        label: &'static str,
+    ) -> Result<T, RedisError> {
+        let mut connection = self.connection.clone();
+        let call = Call::start(self.connection.topology(), name, operation, label);
+        let result = command
+            .query_async(&mut connection)
+            .instrument(call.span())
+            .await;
+        call.finish(&result, self.connection.topology());
+        result
+    }
+
     /// Step 1 of 2: read the bucket (`None`: absent, i.e. full).
     pub async fn read(&self, key: BucketKey) -> Result<Option<BucketState>, StoreError> {
-        let mut connection = self.connection.clone();
-        let raw: Option<Vec<u8>> = redis::cmd("GET")
-            .arg(self.key_name(key))
-            .query_async(&mut connection)
-            .await?;
+        let name = self.key_name(key);
+        let mut get = redis::cmd("GET");
+        get.arg(&name);
+        let raw: Option<Vec<u8>> = self.run(get, &name, "GET", "naive_get").await?;
         Ok(raw.as_deref().and_then(decode_state))
     }
 
@@ -97,22 +117,19 @@ impl NaiveStore {
         let (decision, state) =
             token_bucket::check_within(&limit, read, cost, now, ceiling.unwrap_or(u64::MAX))?;
         if decision.allowed {
-            let mut connection = self.connection.clone();
             let name = self.key_name(key);
             if decision.reset.is_zero() {
-                let () = redis::cmd("DEL")
-                    .arg(name)
-                    .query_async(&mut connection)
-                    .await?;
+                let mut del = redis::cmd("DEL");
+                del.arg(&name);
+                let () = self.run(del, &name, "DEL", "naive_del").await?;
             } else {
                 let ttl = ttl_ms(decision.reset, self.ttl_margin);
-                let () = redis::cmd("SET")
-                    .arg(name)
+                let mut set = redis::cmd("SET");
+                set.arg(&name)
                     .arg(&encode_state(state, now + ttl * 1000)[..])
                     .arg("PX")
-                    .arg(ttl)
-                    .query_async(&mut connection)
-                    .await?;
+                    .arg(ttl);
+                let () = self.run(set, &name, "SET", "naive_set").await?;
             }
         }
         Ok(decision)

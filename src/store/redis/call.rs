@@ -1,0 +1,107 @@
+//! One Redis call, observed where it happens: its duration and errors by
+//! the node that served it (`ratelimit_redis_call_duration_seconds`,
+//! `ratelimit_redis_errors_total`) and a client span with the node's
+//! address and the key's slot.
+//!
+//! A call the check's deadline cuts short is dropped mid-flight: the guard
+//! records it then, as `deadline`, so a slow node shows its misses.
+
+use super::topology::{Node, Topology};
+use crate::metrics as m;
+use crate::store::redis_error_kind;
+use crate::telemetry::TARGET;
+use redis::RedisError;
+use std::sync::Arc;
+use std::time::Instant;
+use tracing::Span;
+
+/// A call in flight. See the module docs.
+pub(super) struct Call {
+    node: Arc<Node>,
+    script: &'static str,
+    started: Instant,
+    span: Span,
+    done: bool,
+}
+
+impl Call {
+    /// A call of `operation` (`EVALSHA`, `GET`, ...) on `key`, labelled
+    /// `script`, starting now.
+    pub(super) fn start(
+        topology: &Topology,
+        key: &str,
+        operation: &'static str,
+        script: &'static str,
+    ) -> Self {
+        let (node, slot) = topology.node(key.as_bytes());
+        let span = tracing::info_span!(
+            target: TARGET,
+            "redis",
+            otel.name = operation,
+            otel.kind = "client",
+            otel.status_code = tracing::field::Empty,
+            db.system.name = "redis",
+            db.operation.name = operation,
+            db.redis.script = script,
+            server.address = &*node.host,
+            server.port = node.port,
+            db.redis.slot = tracing::field::Empty,
+            error.type = tracing::field::Empty,
+        );
+        if let Some(slot) = slot {
+            span.record("db.redis.slot", slot);
+        }
+        Self {
+            node,
+            script,
+            started: Instant::now(),
+            span,
+            done: false,
+        }
+    }
+
+    /// The call's span, to run the call in.
+    pub(super) fn span(&self) -> Span {
+        self.span.clone()
+    }
+
+    fn record(&self, error: Option<&'static str>) {
+        metrics::histogram!(
+            m::REDIS_CALL_DURATION_SECONDS,
+            "node" => Arc::clone(&self.node.label),
+            "script" => self.script,
+        )
+        .record(self.started.elapsed().as_secs_f64());
+        if let Some(kind) = error {
+            metrics::counter!(
+                m::REDIS_ERRORS_TOTAL,
+                "node" => Arc::clone(&self.node.label),
+                "kind" => kind,
+            )
+            .increment(1);
+            self.span.record("error.type", kind);
+            self.span.record("otel.status_code", "ERROR");
+        }
+    }
+
+    /// The call answered (or failed): record it. A cluster error may mean
+    /// a slot moved, so the slot map is re-read.
+    pub(super) fn finish<T>(mut self, result: &Result<T, RedisError>, topology: &Topology) {
+        self.done = true;
+        let kind = result.as_ref().err().map(redis_error_kind);
+        if kind == Some("cluster") {
+            topology.stale();
+        }
+        self.record(kind);
+    }
+}
+
+impl Drop for Call {
+    fn drop(&mut self) {
+        if !self.done {
+            // Dropped in flight: the check's deadline passed (or the
+            // request went away).
+            self.record(Some("deadline"));
+        }
+    }
+}

@@ -1,0 +1,296 @@
+//! Which Redis node serves a key: the `node` label of every per-node metric
+//! and the `server.address` of every Redis span.
+//!
+//! A standalone server is its URL's `host:port`. In a cluster, a key lives
+//! in the slot its hash tag hashes to (CRC16 mod 16384, [`slot`]), and a
+//! slot on the master the cluster's slot map names: this keeps a copy of
+//! that map (`CLUSTER SLOTS`), re-read every `topology_refresh` and at once
+//! after a call fails for a cluster reason (a slot moved), so the label
+//! follows a slot that moves. A hot node then shows as one line apart from
+//! the others, whichever keys made it hot.
+
+use super::RedisConnection;
+use redis::{ConnectionAddr, IntoConnectionInfo, Value};
+use std::sync::{Arc, RwLock, Weak};
+use std::time::Duration;
+use tokio::sync::Notify;
+
+/// Slots in a Redis Cluster.
+pub const SLOTS: usize = 16_384;
+
+/// A node, as labels and span attributes name it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Node {
+    /// `host:port`.
+    pub label: Arc<str>,
+    /// The host.
+    pub host: Arc<str>,
+    /// The port.
+    pub port: u16,
+}
+
+impl Node {
+    fn new(host: &str, port: u16) -> Self {
+        Self {
+            label: Arc::from(format!("{host}:{port}")),
+            host: Arc::from(host),
+            port,
+        }
+    }
+
+    /// Before the slot map is known (the cluster has not answered yet).
+    fn unknown() -> Self {
+        Self {
+            label: Arc::from("unknown"),
+            host: Arc::from("unknown"),
+            port: 0,
+        }
+    }
+}
+
+/// CRC16 (XMODEM: polynomial 0x1021, initial 0), as Redis Cluster hashes.
+fn crc16(bytes: &[u8]) -> u16 {
+    let mut crc: u16 = 0;
+    for &b in bytes {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc
+}
+
+/// The cluster slot of `key`: the CRC16 of its hash tag (the first
+/// `{...}` with something inside) or of the whole key, mod 16384.
+pub fn slot(key: &[u8]) -> u16 {
+    let tagged = key
+        .iter()
+        .position(|&b| b == b'{')
+        .and_then(|open| {
+            let rest = &key[open + 1..];
+            let close = rest.iter().position(|&b| b == b'}')?;
+            (close > 0).then(|| &rest[..close])
+        })
+        .unwrap_or(key);
+    crc16(tagged) % SLOTS as u16
+}
+
+/// Masters by slot.
+#[derive(Debug)]
+struct SlotMap {
+    /// Index into `nodes` of each slot's master (`u16::MAX`: unassigned).
+    owner: Box<[u16]>,
+    nodes: Vec<Arc<Node>>,
+}
+
+impl SlotMap {
+    fn empty() -> Self {
+        Self {
+            owner: vec![u16::MAX; SLOTS].into_boxed_slice(),
+            nodes: Vec::new(),
+        }
+    }
+
+    /// From a `CLUSTER SLOTS` reply: `[[start, end, [host, port, id, ...],
+    /// replicas...], ...]`; the first address of each range is its master.
+    fn parse(reply: &Value) -> Option<Self> {
+        let Value::Array(ranges) = reply else {
+            return None;
+        };
+        let mut map = Self::empty();
+        for range in ranges {
+            let Value::Array(fields) = range else {
+                return None;
+            };
+            let int = |v: &Value| match v {
+                Value::Int(n) => usize::try_from(*n).ok(),
+                _ => None,
+            };
+            let (start, end) = (int(fields.first()?)?, int(fields.get(1)?)?);
+            let Value::Array(master) = fields.get(2)? else {
+                return None;
+            };
+            let host = match master.first()? {
+                Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+                Value::SimpleString(s) => s.clone(),
+                _ => return None,
+            };
+            let port = u16::try_from(int(master.get(1)?)?).ok()?;
+            let node = Node::new(&host, port);
+            let index = match map.nodes.iter().position(|n| **n == node) {
+                Some(i) => i,
+                None => {
+                    map.nodes.push(Arc::new(node));
+                    map.nodes.len() - 1
+                }
+            };
+            let index = u16::try_from(index).ok()?;
+            if start > end || end >= SLOTS {
+                return None;
+            }
+            map.owner[start..=end].fill(index);
+        }
+        Some(map)
+    }
+
+    fn same_as(&self, other: &SlotMap) -> bool {
+        self.owner == other.owner
+            && self.nodes.len() == other.nodes.len()
+            && self.nodes.iter().zip(&other.nodes).all(|(a, b)| a == b)
+    }
+}
+
+/// Where keys live. See the module docs.
+#[derive(Debug)]
+pub enum Topology {
+    /// One server.
+    Standalone(Arc<Node>),
+    /// A cluster's slot map, kept fresh by a task.
+    Cluster(ClusterMap),
+}
+
+/// A cluster's slot map and what refreshes it.
+#[derive(Debug)]
+pub struct ClusterMap {
+    map: RwLock<Arc<SlotMap>>,
+    unknown: Arc<Node>,
+    stale: Notify,
+}
+
+impl Topology {
+    /// The standalone server at `url`.
+    pub fn standalone(url: &str) -> Self {
+        let node = url
+            .into_connection_info()
+            .ok()
+            .and_then(|info| match info.addr() {
+                ConnectionAddr::Tcp(host, port) | ConnectionAddr::TcpTls { host, port, .. } => {
+                    Some(Node::new(host, *port))
+                }
+                _ => None,
+            })
+            .unwrap_or_else(Node::unknown);
+        Topology::Standalone(Arc::new(node))
+    }
+
+    /// A cluster reached through `connection`; its slot map is read now and
+    /// every `refresh` by a task that lives as long as the topology.
+    pub fn cluster(connection: RedisConnection, refresh: Duration) -> Arc<Self> {
+        let topology = Arc::new(Topology::Cluster(ClusterMap {
+            map: RwLock::new(Arc::new(SlotMap::empty())),
+            unknown: Arc::new(Node::unknown()),
+            stale: Notify::new(),
+        }));
+        tokio::spawn(keep_fresh(Arc::downgrade(&topology), connection, refresh));
+        topology
+    }
+
+    /// The node serving `key`, and its slot in a cluster.
+    pub fn node(&self, key: &[u8]) -> (Arc<Node>, Option<u16>) {
+        match self {
+            Topology::Standalone(node) => (Arc::clone(node), None),
+            Topology::Cluster(cluster) => {
+                let slot = slot(key);
+                let map = cluster
+                    .map
+                    .read()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                let node = map
+                    .nodes
+                    .get(usize::from(map.owner[usize::from(slot)]))
+                    .map_or_else(|| Arc::clone(&cluster.unknown), Arc::clone);
+                (node, Some(slot))
+            }
+        }
+    }
+
+    /// A call failed in a way that may mean a slot moved: re-read the map
+    /// now rather than at the next refresh.
+    pub fn stale(&self) {
+        if let Topology::Cluster(cluster) = self {
+            cluster.stale.notify_one();
+        }
+    }
+}
+
+/// Re-reads the slot map every `refresh` (or when told it is stale) until
+/// the topology is dropped.
+async fn keep_fresh(topology: Weak<Topology>, mut connection: RedisConnection, refresh: Duration) {
+    loop {
+        let Some(strong) = topology.upgrade() else {
+            return;
+        };
+        let Topology::Cluster(cluster) = &*strong else {
+            return;
+        };
+        let reply: Result<Value, _> = redis::cmd("CLUSTER")
+            .arg("SLOTS")
+            .query_async(&mut connection)
+            .await;
+        if let Some(fresh) = reply.ok().as_ref().and_then(SlotMap::parse) {
+            let mut map = cluster
+                .map
+                .write()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if !map.same_as(&fresh) {
+                tracing::info!(nodes = fresh.nodes.len(), "redis cluster slot map changed");
+                *map = Arc::new(fresh);
+            }
+        }
+        // Wait for the next refresh without keeping the topology alive.
+        let stale = async { cluster.stale.notified().await };
+        tokio::select! {
+            () = stale => {}
+            () = tokio::time::sleep(refresh) => {}
+        }
+        drop(strong);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_follow_redis_cluster_hashing() {
+        // The reference value of the Redis Cluster specification.
+        assert_eq!(crc16(b"123456789"), 0x31C3);
+        assert_eq!(slot(b"123456789"), 12739, "0x31C3 is below 16384");
+        // Only the hash tag counts, so a bucket's keys share a slot.
+        assert_eq!(slot(b"rl:{abc}"), slot(b"abc"));
+        assert_eq!(slot(b"rl:gcra:{abc}"), slot(b"rl:{abc}"));
+        // An empty tag is no tag.
+        assert_eq!(slot(b"a{}b"), crc16(b"a{}b") % 16384);
+    }
+
+    #[test]
+    fn the_slot_map_names_each_range_by_its_master() {
+        let node = |port: i64| {
+            Value::Array(vec![
+                Value::BulkString(b"127.0.0.1".to_vec()),
+                Value::Int(port),
+                Value::BulkString(b"id".to_vec()),
+            ])
+        };
+        let reply = Value::Array(vec![
+            Value::Array(vec![
+                Value::Int(0),
+                Value::Int(5460),
+                node(7000),
+                node(7100),
+            ]),
+            Value::Array(vec![Value::Int(5461), Value::Int(16383), node(7001)]),
+        ]);
+        let map = SlotMap::parse(&reply).unwrap();
+        let at = |slot: usize| map.nodes[usize::from(map.owner[slot])].label.to_string();
+        assert_eq!(at(0), "127.0.0.1:7000");
+        assert_eq!(at(5460), "127.0.0.1:7000");
+        assert_eq!(at(5461), "127.0.0.1:7001");
+        assert_eq!(map.nodes.len(), 2, "replicas are not nodes that serve");
+        assert!(SlotMap::parse(&Value::Int(1)).is_none());
+    }
+}
