@@ -247,8 +247,10 @@ mod tests {
     /// share, whatever the policy's failure mode.
     #[tokio::test]
     async fn an_in_process_primary_is_used_as_is() {
-        let stack = in_process_stack(MemoryStore::new(10, 1));
-        assert!(stack.breaker.is_none());
+        let config = Config::from_toml("[failure]\ninstances = 3\n").unwrap();
+        assert_eq!(config.backend, Backend::Memory);
+        let stack = build_stack(&config).await.unwrap();
+        assert!(stack.breaker.is_none(), "nothing to fail over from");
         let limit = Limit::per_second(5, 1).unwrap();
         let check = Check::new(BucketKey(1), limit, 1, 1_800_000_000_000_000)
             .on_failure(FailureMode::Closed);

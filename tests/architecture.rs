@@ -30,10 +30,42 @@ const LAYERS: &[(&str, u32)] = &[
     ("server", 7),
 ];
 
-/// The code of a file without its tests and comments.
+/// The code of a file without its `#[cfg(test)]` items and its comments.
 fn code(text: &str) -> String {
-    let text = text.split("#[cfg(test)]").next().unwrap_or_default();
-    text.lines()
+    let mut rest = text;
+    let mut kept = String::new();
+    while let Some(at) = rest.find("#[cfg(test)]") {
+        kept.push_str(&rest[..at]);
+        let item = &rest[at + "#[cfg(test)]".len()..];
+        // The item ends at its first `;` if that comes before any `{`,
+        // else at the brace that closes its first `{`.
+        let end = match (item.find(';'), item.find('{')) {
+            (Some(semi), Some(open)) if semi < open => semi + 1,
+            (Some(semi), None) => semi + 1,
+            (_, Some(open)) => {
+                let mut depth = 0;
+                let mut end = item.len();
+                for (i, c) in item[open..].char_indices() {
+                    match c {
+                        '{' => depth += 1,
+                        '}' => {
+                            depth -= 1;
+                            if depth == 0 {
+                                end = open + i + 1;
+                                break;
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                end
+            }
+            (None, None) => item.len(),
+        };
+        rest = &item[end..];
+    }
+    kept.push_str(rest);
+    kept.lines()
         .filter(|l| !l.trim_start().starts_with("//"))
         .collect::<Vec<_>>()
         .join("\n")
@@ -149,6 +181,52 @@ fn every_module_imports_only_lower_layers() {
     let listed: std::collections::BTreeSet<String> =
         LAYERS.iter().map(|(m, _)| (*m).to_owned()).collect();
     assert_eq!(seen, listed, "LAYERS lists modules that do not exist");
+}
+
+/// Inside `algorithm/`, the same one way: `limit.rs` imports nothing of
+/// the crate; `decision.rs` only the clock's unit; each algorithm's module
+/// only them (and the clock); only `mod.rs` ties the algorithms together.
+#[test]
+fn each_algorithm_imports_only_the_shared_vocabulary() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/algorithm");
+    let mut files = Vec::new();
+    visit(&dir, &mut files);
+    let mut wrong = Vec::new();
+    for file in files {
+        let rel = file
+            .strip_prefix(&dir)
+            .unwrap()
+            .to_string_lossy()
+            .into_owned();
+        if rel == "mod.rs" || rel.ends_with("tests.rs") {
+            continue;
+        }
+        let code = code(&std::fs::read_to_string(&file).unwrap());
+        let allowed_crate: &[&str] = match rel.as_str() {
+            "limit.rs" => &[],
+            _ => &["clock"],
+        };
+        for (dep, line) in imports(&code) {
+            if !allowed_crate.contains(&dep.as_str()) {
+                wrong.push(format!("{rel}: {line}"));
+            }
+        }
+        for line in code.lines().filter(|l| l.contains("super::")) {
+            let ok = match rel.as_str() {
+                "limit.rs" => false,
+                "decision.rs" => false,
+                _ => line.contains("super::limit") || line.contains("super::decision"),
+            };
+            if !ok {
+                wrong.push(format!("{rel}: {}", line.trim()));
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "imports beyond the vocabulary:\n{}",
+        wrong.join("\n")
+    );
 }
 
 #[test]

@@ -27,7 +27,7 @@
 //!    and the server's CPU per check (`INFO cpu`).
 
 use crate::luabench::{begin, bench_settings, cpu_seconds, stats};
-use ratelimiter::algorithm::{Algorithm, Limit, Window};
+use ratelimiter::algorithm::{Algorithm, Limit};
 use ratelimiter::store::redis::RedisConnection;
 use ratelimiter::store::{BucketKey, Check, LuaStore};
 use std::fmt::Write as _;
@@ -192,7 +192,7 @@ fn policy(args: &CompareArgs, algorithm: Algorithm) -> anyhow::Result<Limit> {
 }
 
 async fn accuracy(store: &LuaStore, args: &CompareArgs) -> anyhow::Result<Vec<Accuracy>> {
-    let w = Window::of(&policy(args, Algorithm::SlidingLog)?).window_us;
+    let w = policy(args, Algorithm::SlidingLog)?.window().window_us;
     let mut out = Vec::new();
     let mut key = 0u128;
     for shape_name in SHAPES {
@@ -295,7 +295,7 @@ async fn memory(
     let mut out = Vec::new();
     for (i, algorithm) in Algorithm::ALL.into_iter().enumerate() {
         let limit = policy(args, algorithm)?;
-        let w = Window::of(&limit).window_us;
+        let w = limit.window().window_us;
         let mut per_key = Vec::new();
         for (j, multiple) in RATES.iter().enumerate() {
             let key = BucketKey(0xAB00 + (i * 16 + j) as u128);
@@ -334,7 +334,7 @@ async fn cost(
     for (i, algorithm) in Algorithm::ALL.into_iter().enumerate() {
         let () = redis::cmd("FLUSHALL").query_async(admin).await?;
         let limit = policy(args, algorithm)?;
-        let w = Window::of(&limit).window_us;
+        let w = limit.window().window_us;
         let per_key = args.burst * 3 / 2;
         let start = (T0 / w + 1) * w;
         let cpu_before = begin(admin).await?;
@@ -410,7 +410,7 @@ fn markdown(
     mem: &[Memory],
     costs: &[Cost],
 ) -> anyhow::Result<String> {
-    let w = Window::of(&policy(args, Algorithm::SlidingLog)?).window_us;
+    let w = policy(args, Algorithm::SlidingLog)?.window().window_us;
     let mut out = String::new();
     let _ = writeln!(
         out,

@@ -226,11 +226,6 @@ pub struct Window {
 }
 
 impl Window {
-    /// The window reading of `limit`.
-    pub fn of(limit: &Limit) -> Self {
-        limit.window()
-    }
-
     /// Refuses a cost no window could admit.
     pub fn check_cost(&self, cost: u64) -> Result<(), CostExceedsBurst> {
         if cost > self.limit {

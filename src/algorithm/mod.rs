@@ -299,9 +299,14 @@ pub fn check_packable(limit: &Limit, cost: u64) -> Result<(), PackedError> {
 #[cold]
 #[inline(never)]
 fn not_packable(limit: &Limit, cost: u64) -> PackedError {
-    match limit.check_cost(cost) {
-        Err(e) => PackedError::Cost(e),
-        Ok(()) => PackedError::DoesNotPack(limit.algorithm()),
+    let algorithm = limit.algorithm();
+    if algorithm.packs(limit) {
+        match limit.check_cost(cost) {
+            Err(e) => PackedError::Cost(e),
+            Ok(()) => PackedError::DoesNotPack(algorithm),
+        }
+    } else {
+        PackedError::DoesNotPack(algorithm)
     }
 }
 
@@ -329,7 +334,8 @@ pub fn decide_packed(
     decide_packed_other(limit, state, cost, now)
 }
 
-/// [`decide_packed`] for every algorithm but the bucket, through [`State`].
+/// [`decide_packed`] for the other algorithms, through [`State`] (the
+/// bucket too, if it ever came this way).
 #[inline(never)]
 fn decide_packed_other(
     limit: &Limit,
@@ -339,36 +345,57 @@ fn decide_packed_other(
 ) -> Decision {
     let algorithm = limit.algorithm();
     let w = limit.window().window_us;
-    let unpacked = state.map(|p| match algorithm {
-        Algorithm::Gcra => State::Gcra(gcra::GcraState::unpack(p)),
-        Algorithm::FixedWindow => State::Fixed(fixed_window::FixedState::unpack(p, w)),
-        // Only the counter is left: the bucket has its own path, and the
-        // log does not pack (`check_packable`).
-        _ => State::Counter(sliding_window::CounterState::unpack(p, w)),
-    });
+    let unpacked = match (algorithm, *state) {
+        (_, None) => None,
+        (Algorithm::TokenBucket, Some(p)) => Some(State::Bucket(BucketState::unpack(p, limit))),
+        (Algorithm::Gcra, Some(p)) => Some(State::Gcra(gcra::GcraState::unpack(p))),
+        (Algorithm::FixedWindow, Some(p)) => {
+            Some(State::Fixed(fixed_window::FixedState::unpack(p, w)))
+        }
+        (Algorithm::SlidingWindow, Some(p)) => {
+            Some(State::Counter(sliding_window::CounterState::unpack(p, w)))
+        }
+        // The log does not pack (`check_packable` refuses it): with no state
+        // to keep, deciding would admit everything.
+        (Algorithm::SlidingLog, Some(_)) => return refusal(limit),
+    };
+    if algorithm == Algorithm::SlidingLog {
+        return refusal(limit);
+    }
     match check(limit, unpacked, cost, now) {
         Ok((decision, next)) => {
             let packed = match next {
-                None => None,
-                Some(State::Gcra(s)) => Some(s.pack()),
-                Some(State::Fixed(s)) => Some(s.pack()),
-                Some(State::Counter(s)) => s.pack(),
-                Some(State::Bucket(_) | State::Log(_)) => None,
+                None => Some(None),
+                Some(State::Bucket(s)) => Some(Some(s.pack(limit))),
+                Some(State::Gcra(s)) => Some(Some(s.pack())),
+                Some(State::Fixed(s)) => Some(Some(s.pack())),
+                Some(State::Counter(s)) => s.pack().map(Some),
+                Some(State::Log(_)) => None,
             };
-            if next.is_none() || packed.is_some() {
-                *state = packed;
+            match packed {
+                Some(kept) => {
+                    *state = kept;
+                    decision
+                }
+                // A state that cannot be kept: refuse rather than forget it.
+                None => refusal(limit),
             }
-            decision
         }
-        // Only a cost `check_packable` refuses gets here: deny it and keep
-        // the state, never admit.
-        Err(e) => Decision {
-            allowed: false,
-            limit: e.burst,
-            remaining: 0,
-            retry_after: Duration::MAX,
-            reset: Duration::ZERO,
-        },
+        // Only a cost `check_packable` refuses gets here.
+        Err(_) => refusal(limit),
+    }
+}
+
+/// What the in-process store answers a request it cannot decide, should
+/// one get past [`check_packable`]: a denial that keeps the state, never an
+/// admission.
+fn refusal(limit: &Limit) -> Decision {
+    Decision {
+        allowed: false,
+        limit: limit.burst(),
+        remaining: 0,
+        retry_after: Duration::MAX,
+        reset: Duration::ZERO,
     }
 }
 

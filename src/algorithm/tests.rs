@@ -127,7 +127,7 @@ proptest! {
     #[test]
     fn sliding_log_admits_exactly_what_the_window_allows((limit, calls) in case()) {
         let limit = limit.with_algorithm(Algorithm::SlidingLog);
-        let w = Window::of(&limit).window_us;
+        let w = limit.window().window_us;
         let (decisions, _) = run(&limit, &calls);
         let ok = admitted(&calls, &decisions);
         prop_assert!(worst_window(&ok, w) <= limit.burst());
@@ -144,7 +144,7 @@ proptest! {
     #[test]
     fn fixed_window_holds_each_window_and_at_most_twice_across_one((limit, calls) in case()) {
         let limit = limit.with_algorithm(Algorithm::FixedWindow);
-        let w = Window::of(&limit).window_us;
+        let w = limit.window().window_us;
         let (decisions, _) = run(&limit, &calls);
         let ok = admitted(&calls, &decisions);
         for &(t, _) in &ok {
@@ -160,7 +160,7 @@ proptest! {
     #[test]
     fn sliding_window_counter_keeps_its_estimate((limit, calls) in case()) {
         let limit = limit.with_algorithm(Algorithm::SlidingWindow);
-        let w = Window::of(&limit).window_us;
+        let w = limit.window().window_us;
         let (decisions, _) = run(&limit, &calls);
         let ok = admitted(&calls, &decisions);
         for &(t, _) in &ok {
@@ -185,7 +185,7 @@ fn fixed_window_passes_twice_the_limit_across_a_boundary() {
     let limit = Limit::per_second(10, 1)
         .unwrap()
         .with_algorithm(Algorithm::FixedWindow);
-    let w = Window::of(&limit).window_us;
+    let w = limit.window().window_us;
     assert_eq!(w, 10_000_000);
     let boundary = (T0 / w + 1) * w;
     let mut state = None;
@@ -219,7 +219,7 @@ fn sliding_window_counter_errs_both_ways_when_traffic_is_bunched() {
     let limit = Limit::per_second(10, 1)
         .unwrap()
         .with_algorithm(Algorithm::SlidingWindow);
-    let w = Window::of(&limit).window_us;
+    let w = limit.window().window_us;
     let start = (T0 / w + 1) * w;
     let spend = |times: &[(u64, u32)]| {
         let mut state = None;

@@ -62,7 +62,8 @@ use crate::telemetry::TARGET;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-/// The failure policy's settings (validated config).
+/// The failure policy's settings (validated config; the defaults are the
+/// config's, in `config/file.rs`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FailoverSettings {
     /// The mode of policies that do not set their own.
@@ -75,18 +76,6 @@ pub struct FailoverSettings {
     pub breaker_failures: u32,
     /// How long the breaker stays open before probing.
     pub breaker_cooldown: Duration,
-}
-
-impl Default for FailoverSettings {
-    fn default() -> Self {
-        Self {
-            mode: FailureMode::Local,
-            deadline: Duration::from_millis(10),
-            instances: 1,
-            breaker_failures: 5,
-            breaker_cooldown: Duration::from_millis(500),
-        }
-    }
 }
 
 /// A shared handle on a [`Failover`]'s breaker: what `/readyz` reports.

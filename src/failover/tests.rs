@@ -79,7 +79,7 @@ fn settings(instances: u64) -> FailoverSettings {
         deadline: Duration::from_millis(20),
         breaker_failures: 3,
         breaker_cooldown: Duration::from_millis(500),
-        ..FailoverSettings::default()
+        mode: FailureMode::Local,
     }
 }
 
