@@ -179,3 +179,361 @@ async fn every_response_is_counted_and_the_limiters_metrics_say_who_decided() {
         assert!(!text.contains(secret), "{secret} leaked into /metrics");
     }
 }
+
+// ---- Traces: the real binary, a real Redis, a real OTLP receiver. ----
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+use testkit::{ChildGuard, OtlpReceiver, ReceivedSpan, RedisServer, free_port, wait_for_port};
+
+const BIN: &str = env!("CARGO_BIN_EXE_ratelimiter");
+const TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+const CALLER_SPAN: &str = "00f067aa0ba902b7";
+
+/// The binary on the lua backend, with `env` (the OTEL_* variables).
+fn traced(redis: &RedisServer, env: &[(&str, &str)]) -> (ChildGuard, u16) {
+    // About spans, not latency: no deadline misses on a busy machine.
+    traced_with(
+        redis,
+        env,
+        &["--failure-deadline", "2s", "--redis-response-timeout", "2s"],
+    )
+}
+
+fn traced_with(redis: &RedisServer, env: &[(&str, &str)], flags: &[&str]) -> (ChildGuard, u16) {
+    let port = free_port().unwrap();
+    let mut command = Command::new(BIN);
+    command
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .args(["--instance-id", "traced-1", "--backend", "lua"])
+        .args([
+            "--redis-url",
+            &redis.url(),
+            "--key-secret",
+            "tracing-test-secret",
+        ])
+        .args(flags)
+        .env(
+            "RL_CONFIG",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/traced.toml"),
+        )
+        .env("RL_TRACE_BATCH_DELAY", "100ms")
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    let child = ChildGuard(command.spawn().unwrap());
+    wait_for_port(port, "ratelimiter").unwrap();
+    (child, port)
+}
+
+/// GETs `/api/items` with the test's API key (and `traceparent` if given);
+/// the status.
+async fn get(port: u16, traceparent: Option<&str>) -> u16 {
+    let mut request = reqwest::Client::new()
+        .get(format!("http://127.0.0.1:{port}/api/items"))
+        .header("x-api-key", "trace-key");
+    if let Some(tp) = traceparent {
+        request = request.header("traceparent", tp);
+    }
+    request.send().await.unwrap().status().as_u16()
+}
+
+fn by_name<'a>(spans: &'a [ReceivedSpan], name: &str) -> &'a ReceivedSpan {
+    spans
+        .iter()
+        .find(|s| s.name == name)
+        .unwrap_or_else(|| panic!("no span {name} in {spans:#?}"))
+}
+
+/// The caller's trace goes on through the server span, the limiter's check
+/// and the Redis call, each the parent of the next, with the attributes
+/// the README lists and no key or credential, over either transport.
+async fn one_request_is_one_trace(protocol: &str) {
+    let redis = RedisServer::start().unwrap();
+    let receiver = OtlpReceiver::start().await.unwrap();
+    let endpoint = if protocol == "grpc" {
+        &receiver.grpc
+    } else {
+        &receiver.http
+    };
+    let (_child, port) = traced(
+        &redis,
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", protocol),
+            ("OTEL_SERVICE_NAME", "ratelimiter-test"),
+        ],
+    );
+    let traceparent = format!("00-{TRACE}-{CALLER_SPAN}-01");
+    assert_eq!(get(port, Some(&traceparent)).await, 200);
+    let spans = receiver
+        .trace(TRACE, 3, Duration::from_secs(10))
+        .await
+        .unwrap();
+    let server = by_name(&spans, "GET /api/items");
+    let check = by_name(&spans, "ratelimit.check");
+    let call = by_name(&spans, "EVALSHA");
+    let transport = if protocol == "grpc" { "grpc" } else { "http" };
+    assert!(spans.iter().all(|s| s.transport == transport));
+    // Parented in order, the first under the caller's span.
+    assert_eq!(server.parent_span_id, CALLER_SPAN);
+    assert_eq!(check.parent_span_id, server.span_id);
+    assert_eq!(call.parent_span_id, check.span_id);
+    assert_eq!(
+        (server.kind, check.kind, call.kind),
+        (2, 1, 3),
+        "server, internal, client"
+    );
+    let has = |span: &ReceivedSpan, pairs: &[(&str, &str)]| {
+        for (k, v) in pairs {
+            assert_eq!(
+                span.attributes.get(*k).map(String::as_str),
+                Some(*v),
+                "{k} on {}: {:?}",
+                span.name,
+                span.attributes
+            );
+        }
+    };
+    has(
+        server,
+        &[
+            ("http.request.method", "GET"),
+            ("http.route", "/api/items"),
+            ("http.response.status_code", "200"),
+        ],
+    );
+    has(
+        check,
+        &[
+            ("ratelimit.policy", "api"),
+            ("ratelimit.algorithm", "token_bucket"),
+            ("ratelimit.decision", "allowed"),
+            ("ratelimit.source", "redis"),
+            ("ratelimit.key_kind", "api_key"),
+        ],
+    );
+    let redis_port = redis.port.to_string();
+    has(
+        call,
+        &[
+            ("db.system.name", "redis"),
+            ("db.operation.name", "EVALSHA"),
+            ("db.redis.script", "token_bucket"),
+            ("server.address", "127.0.0.1"),
+            ("server.port", &redis_port),
+        ],
+    );
+    assert_eq!(
+        server.resource.get("service.name").unwrap(),
+        "ratelimiter-test"
+    );
+    assert_eq!(
+        server.resource.get("service.instance.id").unwrap(),
+        "traced-1"
+    );
+    for span in &spans {
+        for value in span.attributes.values() {
+            assert!(!value.contains("trace-key"), "the API key on {}", span.name);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_request_is_one_trace_over_grpc() {
+    one_request_is_one_trace("grpc").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_request_is_one_trace_over_http_protobuf() {
+    one_request_is_one_trace("http/protobuf").await;
+}
+
+/// Parent-based ratio sampling: at ratio 0 this service starts no trace
+/// of its own, but keeps going one its caller sampled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parent_based_ratio_follows_the_callers_decision() {
+    let redis = RedisServer::start().unwrap();
+    let receiver = OtlpReceiver::start().await.unwrap();
+    let (_child, port) = traced(
+        &redis,
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", &receiver.grpc),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ("OTEL_TRACES_SAMPLER", "parentbased_traceidratio"),
+            ("OTEL_TRACES_SAMPLER_ARG", "0"),
+        ],
+    );
+    for _ in 0..5 {
+        assert_eq!(get(port, None).await, 200);
+    }
+    let sampled = format!("00-{TRACE}-{CALLER_SPAN}-01");
+    assert_eq!(get(port, Some(&sampled)).await, 200);
+    let spans = receiver
+        .trace(TRACE, 3, Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert_eq!(spans.len(), 3);
+    // Everything sampled arrived with the caller's trace: nothing else.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        receiver.spans().iter().all(|s| s.trace_id == TRACE),
+        "{:#?}",
+        receiver.spans()
+    );
+}
+
+/// A collector that is not there, or that never answers, costs requests
+/// nothing: every request is served, and the spans that cannot go out are
+/// dropped and counted instead of queueing without bound. Without an
+/// endpoint, nothing is exported and nothing is logged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_absent_or_silent_collector_costs_requests_nothing() {
+    let redis = RedisServer::start().unwrap();
+    let metric_of = |port: u16, reason: &'static str| async move {
+        let text = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        metric(
+            &text,
+            "ratelimit_trace_spans_dropped_total",
+            &[("reason", reason)],
+        )
+    };
+    // Nothing listens here: every export fails at once.
+    let refused = format!("http://127.0.0.1:{}", free_port().unwrap());
+    // This one accepts connections and never answers.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_url = format!("http://{}", silent.local_addr().unwrap());
+    for (endpoint, reason) in [(&refused, "export_failed"), (&silent_url, "queue_full")] {
+        let (_child, port) = traced(
+            &redis,
+            &[
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint),
+                ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+                ("RL_TRACE_QUEUE_SIZE", "8"),
+                ("RL_TRACE_EXPORT_TIMEOUT", "30s"),
+            ],
+        );
+        for _ in 0..60 {
+            assert!([200, 429].contains(&get(port, None).await));
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while metric_of(port, reason).await == 0.0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no span counted as dropped ({reason}) for {endpoint}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    // No endpoint: nothing exported, and the log says only that it serves.
+    let receiver = OtlpReceiver::start().await.unwrap();
+    let (mut child, port) = traced(&redis, &[]);
+    for _ in 0..30 {
+        assert!(
+            [200, 429].contains(&get(port, Some(&format!("00-{TRACE}-{CALLER_SPAN}-01"))).await)
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(receiver.spans().is_empty());
+    let _ = child.0.kill();
+    let _ = child.0.wait();
+    let mut output = String::new();
+    std::io::Read::read_to_string(&mut child.0.stderr.take().unwrap(), &mut output).unwrap();
+    let lines = output.lines().count();
+    assert!(lines <= 2, "the log, without an exporter:\n{output}");
+}
+
+/// Trace id number `n` of a test.
+fn trace_id(n: u32) -> String {
+    format!("{n:08x}{}", &TRACE[8..])
+}
+
+/// What went wrong with Redis shows on the trace: a call cut short by the
+/// deadline, a refused connection, and once the breaker opens, a check
+/// that did not call Redis at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deadline_misses_failures_and_breaker_skips_show_on_the_trace() {
+    let mut redis = RedisServer::start().unwrap();
+    let receiver = OtlpReceiver::start().await.unwrap();
+    let (_child, port) = traced_with(
+        &redis,
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", &receiver.grpc),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+        ],
+        &[
+            "--failure-deadline",
+            "200ms",
+            "--redis-response-timeout",
+            "5s",
+            "--breaker-failures",
+            "3",
+            "--breaker-cooldown",
+            "1h",
+        ],
+    );
+    let traced_get = |n: u32| {
+        let traceparent = format!("00-{}-{CALLER_SPAN}-01", trace_id(n));
+        async move { get(port, Some(&traceparent)).await }
+    };
+    assert_eq!(traced_get(1).await, 200, "connected");
+    redis.pause().unwrap();
+    assert_eq!(traced_get(2).await, 200, "the local share decides");
+    redis.resume().unwrap();
+    redis.kill().unwrap();
+    for n in 3..=6 {
+        assert_eq!(traced_get(n).await, 200);
+    }
+    let spans = receiver
+        .trace(&trace_id(2), 3, Duration::from_secs(10))
+        .await
+        .unwrap();
+    let call = by_name(&spans, "EVALSHA");
+    assert_eq!(
+        call.attributes.get("error.type").map(String::as_str),
+        Some("deadline")
+    );
+    assert_eq!(
+        by_name(&spans, "ratelimit.check")
+            .attributes
+            .get("ratelimit.source")
+            .map(String::as_str),
+        Some("local")
+    );
+    let spans = receiver
+        .trace(&trace_id(3), 3, Duration::from_secs(10))
+        .await
+        .unwrap();
+    let refused = by_name(&spans, "EVALSHA")
+        .attributes
+        .get("error.type")
+        .cloned();
+    assert!(
+        matches!(
+            refused.as_deref(),
+            Some("connection_refused" | "connection_dropped" | "io")
+        ),
+        "{refused:?}"
+    );
+    // Two failures before: the third opens the breaker (request 4); from
+    // request 5 on, Redis is not called and the check says so.
+    let spans = receiver
+        .trace(&trace_id(6), 2, Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert!(spans.iter().all(|s| s.name != "EVALSHA"), "{spans:#?}");
+    let check = by_name(&spans, "ratelimit.check");
+    assert!(
+        check.events.iter().any(|e| e.contains("redis skipped")),
+        "{:?}",
+        check.events
+    );
+}

@@ -18,6 +18,7 @@ use axum::middleware::Next;
 use axum::response::Response;
 use http::{HeaderMap, Method};
 use opentelemetry::propagation::Extractor;
+use opentelemetry::trace::TraceContextExt;
 use std::borrow::Cow;
 use std::task::{Context, Poll};
 use std::time::Instant;
@@ -162,7 +163,10 @@ where
             if !span.is_disabled() {
                 span.record("http.route", route);
                 span.record("http.response.status_code", status);
-                span.record("otel.name", format!("{method} {route}"));
+                // The OTel span has started by now: rename it there.
+                span.context()
+                    .span()
+                    .update_name(format!("{method} {route}"));
                 if status >= 500 {
                     span.record("otel.status_code", "ERROR");
                 }

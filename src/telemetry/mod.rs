@@ -201,8 +201,12 @@ pub fn init(settings: &TracingSettings, instance_id: &str) -> Result<Telemetry, 
     global::set_text_map_propagator(TraceContextPropagator::new());
     let traces = tracing_opentelemetry::layer()
         .with_tracer(provider.tracer("ratelimiter"))
+        // Only the attributes the spans set (no code location, thread,
+        // target or busy/idle times).
         .with_location(false)
         .with_threads(false)
+        .with_target(false)
+        .with_tracked_inactivity(false)
         .with_filter(Targets::new().with_target(TARGET, tracing::Level::TRACE));
     let _ = tracing_subscriber::registry()
         .with(logs)

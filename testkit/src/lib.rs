@@ -9,7 +9,9 @@
 //! - [`cgroup`]: a fraction of a core for a process (cgroup v1 `cpu`), as
 //!   `cpus:` does in compose;
 //! - [`fleet`]: N API instances as separate processes, and the hammer that
-//!   sends one key's requests at them concurrently.
+//!   sends one key's requests at them concurrently;
+//! - [`otlp`]: a real OTLP trace receiver (gRPC and HTTP/protobuf) that
+//!   keeps the spans it is sent.
 //!
 //! It does not depend on the service crate: it starts programs by path, so
 //! the service's own tests and the load tool use it alike. Fakes of the
@@ -20,10 +22,12 @@
 
 pub mod cgroup;
 pub mod fleet;
+pub mod otlp;
 pub mod process;
 pub mod redis;
 
 pub use cgroup::CpuLimit;
 pub use fleet::{Fleet, Tally, hammer};
+pub use otlp::{OtlpReceiver, ReceivedSpan};
 pub use process::{ChildGuard, TempDir, free_port, wait_for_port};
 pub use redis::{RedisCluster, RedisServer, redis_cli};
