@@ -69,7 +69,9 @@ pub const STORE_ERRORS_TOTAL: &str = "ratelimit_store_errors_total";
 /// Counter: in-memory buckets dropped. Labels: `reason`: `idle` (full again,
 /// exact) or `pressure` (still refilling: `max_keys` is too small).
 pub const MEMORY_EVICTIONS_TOTAL: &str = "ratelimit_memory_evictions_total";
-/// Gauge, always 1: which instance and backend this is. Labels: `instance`, `backend`.
+/// Gauge, always 1: which instance and backend this is. Labels:
+/// `instance_id` (the configured id; `instance` is Prometheus's own target
+/// label), `backend`.
 pub const INSTANCE_INFO: &str = "ratelimit_instance_info";
 
 /// Every metric above, for checks that dashboards and alerts name only

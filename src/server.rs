@@ -42,6 +42,8 @@ pub fn in_process_stack(store: MemoryStore) -> Stack {
 /// inside out: a deadline on every call, its errors counted, then the
 /// breaker and the failure modes with this instance's local share.
 pub fn shared_stack<S: Store>(store: S, config: &Config) -> Stack {
+    // The breaker sets its gauges as it is made: the recorder must exist.
+    m::install();
     let settings = &config.failover;
     let local = LocalShare::new(
         settings.instances,
@@ -111,7 +113,7 @@ pub async fn build_state(
 /// The shared state of one instance around a given stack.
 pub fn state_with_stack(config: &Config, stack: Stack, clock: Arc<dyn Clock>) -> AppState {
     let handle = m::install();
-    metrics::gauge!(m::INSTANCE_INFO, "instance" => config.instance_id.clone(), "backend" => config.backend.as_str())
+    metrics::gauge!(m::INSTANCE_INFO, "instance_id" => config.instance_id.clone(), "backend" => config.backend.as_str())
         .set(1.0);
     let limiter = Arc::new(build_limiter(config, Arc::clone(&stack.store), clock));
     let health = Health {

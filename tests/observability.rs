@@ -1,0 +1,540 @@
+//! The dashboards and alerts, checked without Grafana: promtool on the
+//! config and rules (and every alert's unit test), the dashboards' JSON,
+//! every alert's runbook link, and every panel's query evaluated by a real
+//! Prometheus that scraped a real instance, a real Redis and a real
+//! redis_exporter under load. (Grafana cannot be installed here;
+//! Prometheus, promtool and the exporter are Debian packages, which
+//! `.ci/run` installs.)
+
+use serde_json::Value;
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+use testkit::{ChildGuard, RedisServer, TempDir, free_port, wait_for_port};
+
+const BIN: &str = env!("CARGO_BIN_EXE_ratelimiter");
+
+fn repo(path: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
+}
+
+fn read(path: &str) -> String {
+    std::fs::read_to_string(repo(path)).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+fn dashboards() -> Vec<(String, Value)> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(repo("grafana/dashboards")).unwrap() {
+        let path = entry.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let json: Value = serde_json::from_str(&text)
+            .unwrap_or_else(|e| panic!("{}: not JSON: {e}", path.display()));
+        out.push((
+            path.file_name().unwrap().to_string_lossy().into_owned(),
+            json,
+        ));
+    }
+    assert!(out.len() >= 2, "the overview and Redis dashboards");
+    out
+}
+
+/// Every (dashboard, panel title, expr) of every panel, rows included.
+fn panel_queries() -> Vec<(String, String, String)> {
+    fn walk(file: &str, panels: &[Value], out: &mut Vec<(String, String, String)>) {
+        for panel in panels {
+            let title = panel["title"].as_str().unwrap_or_default().to_owned();
+            for target in panel["targets"].as_array().into_iter().flatten() {
+                let expr = target["expr"].as_str().unwrap_or_default().to_owned();
+                out.push((file.to_owned(), title.clone(), expr));
+            }
+            walk(file, panel["panels"].as_array().map_or(&[], |v| v), out);
+        }
+    }
+    let mut out = Vec::new();
+    for (file, json) in dashboards() {
+        walk(&file, json["panels"].as_array().unwrap(), &mut out);
+    }
+    out
+}
+
+fn rule_exprs() -> Vec<String> {
+    // `expr:` is a one-liner or a `|` block indented below it.
+    let text = read("prometheus/rules/ratelimiter.yml");
+    let mut out = Vec::new();
+    let lines: Vec<&str> = text.lines().collect();
+    for (i, line) in lines.iter().enumerate() {
+        let Some(rest) = line.trim().strip_prefix("expr:") else {
+            continue;
+        };
+        if rest.trim() == "|" {
+            let indent = line.len() - line.trim_start().len();
+            let block: Vec<&str> = lines[i + 1..]
+                .iter()
+                .take_while(|l| l.trim().is_empty() || l.len() - l.trim_start().len() > indent)
+                .copied()
+                .collect();
+            out.push(block.join("\n"));
+        } else {
+            out.push(rest.trim().to_owned());
+        }
+    }
+    assert!(out.len() >= 5, "{out:?}");
+    out
+}
+
+fn promtool(args: &[&str]) {
+    let out = Command::new("promtool")
+        .args(args)
+        .current_dir(repo(""))
+        .output()
+        .expect("promtool is installed (Debian package prometheus)");
+    assert!(
+        out.status.success(),
+        "promtool {args:?}:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn promtool_accepts_the_config_and_rules_and_every_alert_test_passes() {
+    promtool(&["check", "config", "prometheus/prometheus.yml"]);
+    promtool(&["check", "rules", "prometheus/rules/ratelimiter.yml"]);
+    promtool(&["test", "rules", "prometheus/tests/ratelimiter.yml"]);
+}
+
+/// GitHub's anchor for a heading.
+fn anchor(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter(|c| c.is_alphanumeric() || *c == ' ' || *c == '-' || *c == '_')
+        .map(|c| if c == ' ' { '-' } else { c })
+        .collect()
+}
+
+#[test]
+fn every_alert_links_to_its_runbook_section_and_has_a_test() {
+    let rules = read("prometheus/rules/ratelimiter.yml");
+    let tests = read("prometheus/tests/ratelimiter.yml");
+    let alerts: Vec<&str> = rules
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("- alert:"))
+        .map(str::trim)
+        .collect();
+    let links: Vec<&str> = rules
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("runbook_url:"))
+        .map(|l| l.trim().trim_matches('"'))
+        .collect();
+    assert_eq!(alerts.len(), links.len(), "an alert without a runbook link");
+    for (alert, link) in alerts.iter().zip(&links) {
+        let (file, section) = link.split_once('#').expect("a link to a section");
+        let text = read(file);
+        assert!(
+            text.lines()
+                .filter_map(|l| l
+                    .trim_start_matches('#')
+                    .strip_prefix(' ')
+                    .filter(|_| l.starts_with('#')))
+                .any(|h| anchor(h) == section),
+            "{alert}: {file} has no heading for #{section}"
+        );
+        assert!(
+            tests.contains(&format!("alertname: {alert}")),
+            "{alert} has no promtool test"
+        );
+    }
+}
+
+#[test]
+fn the_dashboards_are_grafana_json_on_the_provisioned_datasources() {
+    let datasources = read("grafana/provisioning/datasources/datasources.yml");
+    let provisioned: BTreeSet<&str> = datasources
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("uid:"))
+        .map(str::trim)
+        .collect();
+    assert_eq!(provisioned, BTreeSet::from(["jaeger", "prometheus"]));
+    let types = BTreeSet::from([
+        "row",
+        "timeseries",
+        "stat",
+        "gauge",
+        "table",
+        "text",
+        "bargauge",
+    ]);
+    for (file, json) in dashboards() {
+        assert!(
+            json["uid"].is_string() && json["title"].is_string(),
+            "{file}"
+        );
+        assert!(
+            json["schemaVersion"].as_u64().unwrap_or(0) >= 36,
+            "{file}: schemaVersion"
+        );
+        let mut ids = BTreeSet::new();
+        let mut panels: Vec<&Value> = json["panels"].as_array().unwrap().iter().collect();
+        let mut i = 0;
+        while i < panels.len() {
+            let panel = panels[i];
+            i += 1;
+            let title = panel["title"].as_str().unwrap_or_default();
+            assert!(
+                ids.insert(panel["id"].as_u64().unwrap()),
+                "{file}: duplicate id at {title}"
+            );
+            let kind = panel["type"].as_str().unwrap();
+            assert!(types.contains(kind), "{file}: {title}: panel type {kind}");
+            let grid = &panel["gridPos"];
+            assert!(
+                grid["w"].as_u64().unwrap() <= 24 && grid["h"].as_u64().is_some(),
+                "{file}: {title}"
+            );
+            if let Some(inner) = panel["panels"].as_array() {
+                panels.extend(inner);
+            }
+            if kind == "row" {
+                continue;
+            }
+            let uid = panel["datasource"]["uid"].as_str().unwrap_or_default();
+            assert!(
+                provisioned.contains(uid),
+                "{file}: {title}: datasource {uid}"
+            );
+            let targets = panel["targets"].as_array().unwrap();
+            assert!(!targets.is_empty(), "{file}: {title} has no query");
+            for t in targets {
+                assert!(
+                    !t["expr"].as_str().unwrap_or_default().is_empty(),
+                    "{file}: {title}"
+                );
+                assert!(t["refId"].is_string(), "{file}: {title}");
+            }
+        }
+        for variable in json["templating"]["list"].as_array().unwrap() {
+            let uid = variable["datasource"]["uid"].as_str().unwrap_or_default();
+            assert!(
+                provisioned.contains(uid),
+                "{file}: variable {}",
+                variable["name"]
+            );
+        }
+    }
+    // The overview keeps a row for the hot keys.
+    let overview = read("grafana/dashboards/ratelimiter-overview.json");
+    assert!(overview.contains("\"title\": \"Hot keys\""));
+}
+
+/// Metric names in PromQL: ours, the exporter's, and Prometheus's `up`.
+fn metric_names(expr: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let bytes: Vec<char> = expr.chars().collect();
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i].is_ascii_alphabetic() || bytes[i] == '_' {
+            let start = i;
+            while i < bytes.len() && (bytes[i].is_ascii_alphanumeric() || bytes[i] == '_') {
+                i += 1;
+            }
+            let word: String = bytes[start..i].iter().collect();
+            // Skip label values and names inside selectors' quotes.
+            let quoted = bytes[..start].iter().filter(|&&c| c == '"').count() % 2 == 1;
+            if !quoted
+                && (word.starts_with("ratelimit_")
+                    || word.starts_with("http_server_")
+                    || word.starts_with("redis_")
+                    || word == "up")
+                && bytes.get(i) != Some(&'=')
+            {
+                out.insert(word);
+            }
+        } else {
+            i += 1;
+        }
+    }
+    out
+}
+
+/// Runs a real instance (lua backend), a real Redis and its exporter, and a
+/// real Prometheus scraping them every second, under load.
+struct Scraped {
+    prometheus: String,
+    exporter_metrics: String,
+    _children: Vec<ChildGuard>,
+    _redis: RedisServer,
+    _dir: TempDir,
+    load: tokio::task::JoinHandle<()>,
+}
+
+async fn scraped() -> Scraped {
+    let dir = TempDir::new("observability").unwrap();
+    let redis = RedisServer::start().unwrap();
+    let mut children = Vec::new();
+    // redis_exporter on its Redis.
+    let exporter_port = free_port().unwrap();
+    children.push(ChildGuard(
+        Command::new("prometheus-redis-exporter")
+            .args(["--redis.addr", &redis.url()])
+            .args([
+                "--web.listen-address",
+                &format!("127.0.0.1:{exporter_port}"),
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("prometheus-redis-exporter is installed (Debian package)"),
+    ));
+    wait_for_port(exporter_port, "redis exporter").unwrap();
+    // The instance: small limits, so throttling, near-limit and shadow
+    // denials all happen under a little load.
+    let api_port = free_port().unwrap();
+    let config = dir.join("api.toml");
+    std::fs::write(
+        &config,
+        "key_secret = \"observability-test-secret\"\n\
+         [[api_keys]]\nid = \"tenant-a\"\nkey = \"key-a\"\n\
+         [[policies]]\nname = \"api\"\nroute = \"/api/\"\nburst = 20\nrate = 10\n\
+         [[policies]]\nname = \"orders-shadow\"\nroute = \"/api/orders\"\nburst = 2\nrate = 1\nshadow = true\n",
+    )
+    .unwrap();
+    children.push(ChildGuard(
+        Command::new(BIN)
+            .args([
+                "--listen",
+                &format!("127.0.0.1:{api_port}"),
+                "--backend",
+                "lua",
+            ])
+            .args(["--redis-url", &redis.url(), "--instance-id", "api-1"])
+            .arg("--config")
+            .arg(&config)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    ));
+    wait_for_port(api_port, "ratelimiter").unwrap();
+    // Prometheus: every second, with the repository's alert rules.
+    let prometheus_port = free_port().unwrap();
+    let prometheus_config = dir.join("prometheus.yml");
+    std::fs::write(
+        &prometheus_config,
+        format!(
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n\
+             rule_files:\n  - {}\n\
+             scrape_configs:\n\
+             \x20 - job_name: ratelimiter\n    static_configs:\n      - targets: ['127.0.0.1:{api_port}']\n\
+             \x20 - job_name: redis\n    static_configs:\n      - targets: ['127.0.0.1:{exporter_port}']\n",
+            repo("prometheus/rules/ratelimiter.yml").display()
+        ),
+    )
+    .unwrap();
+    children.push(ChildGuard(
+        Command::new("prometheus")
+            .arg(format!("--config.file={}", prometheus_config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.join("tsdb").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{prometheus_port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("prometheus is installed (Debian package)"),
+    ));
+    wait_for_port(prometheus_port, "prometheus").unwrap();
+    // Load until dropped: keyed (throttled past 20), anonymous, the shadow
+    // policy's POSTs, a 404.
+    let base = format!("http://127.0.0.1:{api_port}");
+    let load = tokio::spawn(async move {
+        let http = reqwest::Client::new();
+        loop {
+            let _ = http
+                .get(format!("{base}/api/items"))
+                .header("x-api-key", "key-a")
+                .send()
+                .await;
+            let _ = http.get(format!("{base}/api/items/1")).send().await;
+            let _ = http
+                .post(format!("{base}/api/orders"))
+                .header("content-type", "application/json")
+                .body(r#"{"item_id":1,"quantity":1}"#)
+                .send()
+                .await;
+            let _ = http.get(format!("{base}/nope")).send().await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    let exporter_metrics = reqwest::get(format!("http://127.0.0.1:{exporter_port}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    Scraped {
+        prometheus: format!("http://127.0.0.1:{prometheus_port}"),
+        exporter_metrics,
+        _children: children,
+        _redis: redis,
+        _dir: dir,
+        load,
+    }
+}
+
+async fn query(prometheus: &str, expr: &str) -> Result<Vec<Value>, String> {
+    let response: Value = reqwest::Client::new()
+        .get(format!("{prometheus}/api/v1/query"))
+        .query(&[("query", expr)])
+        .send()
+        .await
+        .map_err(|e| e.to_string())?
+        .json()
+        .await
+        .map_err(|e| e.to_string())?;
+    if response["status"] != "success" {
+        return Err(response.to_string());
+    }
+    Ok(response["data"]["result"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default())
+}
+
+/// Panels that show nothing on a healthy, untraced stack: errors,
+/// breaker transitions and dropped spans happen only when something fails.
+const MAY_BE_EMPTY: &[&str] = &[
+    "Errors by kind",
+    "Breaker transitions",
+    "Trace spans dropped",
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_panel_query_runs_on_a_real_prometheus_and_shows_data() {
+    let stack = scraped().await;
+    // Wait for enough scrapes for a 4 s rate window and a rule evaluation.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let ready = query(
+            &stack.prometheus,
+            "count_over_time(ratelimit_instance_info[10s]) >= 6",
+        )
+        .await
+        .unwrap_or_default();
+        let exporter = query(&stack.prometheus, "count_over_time(redis_up[10s]) >= 6")
+            .await
+            .unwrap_or_default();
+        if !ready.is_empty() && !exporter.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "Prometheus did not scrape 6 times in 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let mut failures = Vec::new();
+    for (file, title, expr) in panel_queries() {
+        // What Grafana substitutes: every instance and node, and a rate
+        // window of four scrape intervals.
+        let expr_run = expr
+            .replace("$__rate_interval", "4s")
+            .replace("$instance", ".*")
+            .replace("$node", ".*")
+            .replace("$redis", ".*");
+        match query(&stack.prometheus, &expr_run).await {
+            Err(e) => failures.push(format!("{file}: {title}: {expr}: {e}")),
+            Ok(result) if result.is_empty() && !MAY_BE_EMPTY.contains(&title.as_str()) => {
+                failures.push(format!("{file}: {title}: no data for {expr}"))
+            }
+            Ok(_) => {}
+        }
+    }
+    // The template variables' label_values(metric, label).
+    for (file, json) in dashboards() {
+        for variable in json["templating"]["list"].as_array().unwrap() {
+            let definition = variable["definition"].as_str().unwrap();
+            let inner = definition
+                .strip_prefix("label_values(")
+                .and_then(|s| s.strip_suffix(')'))
+                .unwrap();
+            let (metric, label) = inner.split_once(',').unwrap();
+            let values: Value = reqwest::Client::new()
+                .get(format!(
+                    "{}/api/v1/label/{}/values",
+                    stack.prometheus,
+                    label.trim()
+                ))
+                .query(&[("match[]", metric.trim())])
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            if values["data"].as_array().is_none_or(Vec::is_empty) {
+                failures.push(format!("{file}: variable {definition}: no values"));
+            }
+        }
+    }
+    // Every alert rule evaluates without error.
+    let rules: Value = reqwest::get(format!("{}/api/v1/rules", stack.prometheus))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let mut evaluated = 0;
+    for group in rules["data"]["groups"].as_array().unwrap() {
+        for rule in group["rules"].as_array().unwrap() {
+            evaluated += 1;
+            if rule["health"] != "ok" {
+                failures.push(format!("rule {}: {}", rule["name"], rule));
+            }
+        }
+    }
+    if evaluated < 5 {
+        failures.push(format!("only {evaluated} rules loaded"));
+    }
+    stack.load.abort();
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Every metric a panel or an alert names exists: defined in
+/// `src/metrics.rs`, or exported by redis_exporter, or Prometheus's `up`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_metric_the_dashboards_and_alerts_name_is_exported() {
+    let stack = scraped().await;
+    stack.load.abort();
+    let exporter: BTreeSet<&str> = stack
+        .exporter_metrics
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split(['{', ' ']).next())
+        .collect();
+    let ours: BTreeSet<&str> = ratelimiter::metrics::ALL.iter().copied().collect();
+    let mut exprs: Vec<String> = panel_queries().into_iter().map(|(_, _, e)| e).collect();
+    exprs.extend(rule_exprs());
+    let mut unknown = BTreeSet::new();
+    for expr in &exprs {
+        for name in metric_names(expr) {
+            let base = ["_bucket", "_count", "_sum"]
+                .iter()
+                .find_map(|s| name.strip_suffix(s))
+                .unwrap_or(&name);
+            if !(ours.contains(base) || exporter.contains(name.as_str()) || name == "up") {
+                unknown.insert(name);
+            }
+        }
+    }
+    assert!(unknown.is_empty(), "named but not exported: {unknown:?}");
+    // And the check sees the names at all.
+    assert!(
+        metric_names("sum(rate(ratelimit_decisions_total{x=\"redis_up\"}[1m])) + up")
+            .into_iter()
+            .eq(["ratelimit_decisions_total".to_owned(), "up".to_owned()])
+    );
+}
