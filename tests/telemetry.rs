@@ -241,6 +241,41 @@ async fn get(port: u16, traceparent: Option<&str>) -> u16 {
     request.send().await.unwrap().status().as_u16()
 }
 
+/// The spans of one trace as a tree, root first (printed by the tests;
+/// the README shows one).
+fn tree(spans: &[ReceivedSpan]) -> String {
+    fn walk(spans: &[ReceivedSpan], parent: &str, depth: usize, out: &mut String) {
+        for span in spans.iter().filter(|s| s.parent_span_id == parent) {
+            let kind = match span.kind {
+                2 => "server",
+                3 => "client",
+                _ => "internal",
+            };
+            let attributes: Vec<String> = span
+                .attributes
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect();
+            out.push_str(&format!(
+                "{}{} [{kind}] {}\n",
+                "  ".repeat(depth),
+                span.name,
+                attributes.join(" ")
+            ));
+            walk(spans, &span.span_id, depth + 1, out);
+        }
+    }
+    let ids: Vec<&str> = spans.iter().map(|s| s.span_id.as_str()).collect();
+    let mut out = String::new();
+    if let Some(root) = spans
+        .iter()
+        .find(|s| !ids.contains(&s.parent_span_id.as_str()))
+    {
+        walk(spans, &root.parent_span_id, 0, &mut out);
+    }
+    out
+}
+
 fn by_name<'a>(spans: &'a [ReceivedSpan], name: &str) -> &'a ReceivedSpan {
     spans
         .iter()
@@ -273,9 +308,11 @@ async fn one_request_is_one_trace(protocol: &str) {
         .trace(TRACE, 3, Duration::from_secs(10))
         .await
         .unwrap();
+    println!("{protocol}: trace {TRACE}\n{}", tree(&spans));
     let server = by_name(&spans, "GET /api/items");
     let check = by_name(&spans, "ratelimit.check");
     let call = by_name(&spans, "EVALSHA");
+    assert_eq!(tree(&spans).lines().count(), 3, "one tree of three spans");
     let transport = if protocol == "grpc" { "grpc" } else { "http" };
     assert!(spans.iter().all(|s| s.transport == transport));
     // Parented in order, the first under the caller's span.

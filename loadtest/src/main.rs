@@ -17,6 +17,9 @@
 //! GCRA, fixed window, sliding log, sliding-window counter) through its Lua
 //! script on the same policy and traffic shapes (see `compare.rs`).
 //!
+//! `cargo run -p loadtest -- trace-cost` measures what tracing costs a
+//! request: off, ratio 0.01 and 1, alternately (see `tracecost.rs`).
+//!
 //! `cargo run -p loadtest -- outage` kills, hangs, slows and black-holes
 //! Redis under load (see `outage.rs`) and measures what each failure mode
 //! admits, how long requests wait and how fast Redis takes over again.
@@ -27,6 +30,7 @@ mod luabench;
 mod outage;
 mod proxy;
 mod race;
+mod tracecost;
 
 use clap::{Parser, Subcommand};
 use goose::config::GooseConfiguration;
@@ -58,6 +62,8 @@ enum Command {
     Outage(outage::OutageArgs),
     /// Every algorithm on the same policy: accuracy by traffic shape, memory, cost.
     Compare(compare::CompareArgs),
+    /// Throughput and latency with tracing off, at ratio 0.01 and at 1.
+    TraceCost(tracecost::TraceCostArgs),
     /// Run one API instance (what the `ratelimiter` binary runs); used by
     /// the scenarios that start their own instances.
     #[command(hide = true)]
@@ -129,6 +135,9 @@ async fn main() -> anyhow::Result<()> {
         Command::LuaBench(args) => luabench::run(args).await?,
         Command::Compare(args) => {
             compare::run(args).await?;
+        }
+        Command::TraceCost(args) => {
+            tracecost::run(args).await?;
         }
         Command::Outage(args) => {
             let results = outage::run(args).await?;

@@ -179,7 +179,7 @@ fn check_defaults_table(name: &str, text: &str) -> usize {
         let line = line.trim_start_matches("//!").trim();
         let cells: Vec<&str> = line.split('|').map(str::trim).collect();
         // "", field, flag / env, default, ""
-        if cells.len() != 5 || !cells[2].contains("RL_") {
+        if cells.len() != 5 || !(cells[2].contains("RL_") || cells[2].contains("OTEL_")) {
             continue;
         }
         let first_code = |cell: &str| cell.split('`').nth(1).map(str::to_owned);

@@ -39,7 +39,15 @@ pub struct ReceivedSpan {
     pub transport: &'static str,
 }
 
-type Spans = Arc<Mutex<Vec<ReceivedSpan>>>;
+/// What a receiver keeps: every span, or (a sink) only their count.
+#[derive(Debug, Default)]
+struct Kept {
+    spans: Vec<ReceivedSpan>,
+    count: usize,
+    discard: bool,
+}
+
+type Spans = Arc<Mutex<Kept>>;
 
 fn text(value: &Option<AnyValue>) -> String {
     match value.as_ref().and_then(|v| v.value.as_ref()) {
@@ -64,6 +72,15 @@ fn hex(bytes: &[u8]) -> String {
 
 fn keep(spans: &Spans, request: ExportTraceServiceRequest, transport: &'static str) {
     let mut kept = spans.lock().unwrap_or_else(PoisonError::into_inner);
+    if kept.discard {
+        kept.count += request
+            .resource_spans
+            .iter()
+            .flat_map(|r| &r.scope_spans)
+            .map(|s| s.spans.len())
+            .sum::<usize>();
+        return;
+    }
     for resource_spans in request.resource_spans {
         let resource = resource_spans
             .resource
@@ -71,7 +88,8 @@ fn keep(spans: &Spans, request: ExportTraceServiceRequest, transport: &'static s
             .unwrap_or_default();
         for scope in resource_spans.scope_spans {
             for span in scope.spans {
-                kept.push(ReceivedSpan {
+                kept.count += 1;
+                kept.spans.push(ReceivedSpan {
                     trace_id: hex(&span.trace_id),
                     span_id: hex(&span.span_id),
                     parent_span_id: hex(&span.parent_span_id),
@@ -115,9 +133,21 @@ pub struct OtlpReceiver {
 }
 
 impl OtlpReceiver {
-    /// Both servers, on free loopback ports.
+    /// Both servers, on free loopback ports, keeping every span.
     pub async fn start() -> anyhow::Result<Self> {
-        let spans: Spans = Arc::default();
+        Self::launch(false).await
+    }
+
+    /// Both servers, counting spans and keeping none (for load).
+    pub async fn sink() -> anyhow::Result<Self> {
+        Self::launch(true).await
+    }
+
+    async fn launch(discard: bool) -> anyhow::Result<Self> {
+        let spans: Spans = Arc::new(Mutex::new(Kept {
+            discard,
+            ..Kept::default()
+        }));
         let grpc_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let grpc_addr = grpc_listener.local_addr()?;
         let grpc = tonic::transport::Server::builder()
@@ -168,12 +198,21 @@ impl OtlpReceiver {
         })
     }
 
-    /// Every span received so far.
+    /// Every span received so far (none for a sink).
     pub fn spans(&self) -> Vec<ReceivedSpan> {
         self.spans
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
+            .spans
             .clone()
+    }
+
+    /// How many spans arrived so far.
+    pub fn count(&self) -> usize {
+        self.spans
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .count
     }
 
     /// The spans of `trace_id`, once there are at least `count` of them
