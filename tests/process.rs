@@ -193,11 +193,8 @@ fn starts_without_redis_and_connects_when_it_appears() {
 
 #[test]
 fn starts_without_a_redis_cluster_and_connects_when_it_appears() {
-    let ports = [
-        free_port().unwrap(),
-        free_port().unwrap(),
-        free_port().unwrap(),
-    ];
+    let base = testkit::free_port_block(3, true).unwrap();
+    let ports = [base, base + 1, base + 2];
     let flags: Vec<String> = ports
         .iter()
         .flat_map(|p| ["--redis-cluster".into(), format!("redis://127.0.0.1:{p}")])

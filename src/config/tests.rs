@@ -252,3 +252,40 @@ fn type_and_unknown_field_errors_name_the_field() {
     let err = Config::from_toml("listen = ").unwrap_err().to_string();
     assert!(err.contains("line 1"), "{err}");
 }
+
+#[test]
+fn the_stack_config_is_valid_and_carries_no_secret() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/config/stack.toml");
+    // As compose and scripts/stack run it: the secret and the cluster come
+    // from the environment.
+    let cli = Cli::try_parse_from([
+        "ratelimiter",
+        "--config",
+        path,
+        "--key-secret",
+        "0123456789abcdef0123",
+        "--redis-cluster",
+        "redis://127.0.0.1:7001,redis://127.0.0.1:7002",
+    ])
+    .unwrap();
+    let c = Config::load(cli).unwrap();
+    assert_eq!(c.backend, Backend::Lua);
+    assert_eq!(c.failover.instances, 3);
+    assert_eq!(
+        c.api_keys.len(),
+        16,
+        "the load scenarios pick among 16 tenants"
+    );
+    assert!(
+        c.trusted_proxies.is_empty(),
+        "the proxy to trust is per deployment"
+    );
+
+    // The file alone is refused for want of the secret, never run with a
+    // random one (instances would not share buckets).
+    let alone = Cli::try_parse_from(["ratelimiter", "--config", path]).unwrap();
+    match Config::load(alone) {
+        Err(ConfigError::Invalid { field, .. }) => assert_eq!(field, "key_secret"),
+        other => panic!("expected key_secret refused, got {other:?}"),
+    }
+}

@@ -29,5 +29,5 @@ pub mod redis;
 pub use cgroup::CpuLimit;
 pub use fleet::{Fleet, Tally, hammer};
 pub use otlp::{OtlpReceiver, ReceivedSpan};
-pub use process::{ChildGuard, TempDir, free_port, wait_for_port};
+pub use process::{ChildGuard, TempDir, free_port, free_port_block, wait_for_port};
 pub use redis::{RedisCluster, RedisServer, redis_cli};

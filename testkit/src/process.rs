@@ -14,6 +14,29 @@ pub fn free_port() -> anyhow::Result<u16> {
         .port())
 }
 
+/// The cluster bus of a Redis Cluster node listens this far above its port.
+pub const CLUSTER_BUS_OFFSET: u16 = 10_000;
+
+/// `n` consecutive free ports; with `cluster_bus`, their bus ports
+/// (`CLUSTER_BUS_OFFSET` above) are free and in range too, as a Redis
+/// Cluster node needs: an ephemeral port above 55535 has no bus port, and
+/// the node refuses to start on it.
+pub fn free_port_block(n: u16, cluster_bus: bool) -> anyhow::Result<u16> {
+    let bus = if cluster_bus { CLUSTER_BUS_OFFSET } else { 0 };
+    let free = |port: u16| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok();
+    for _ in 0..1000 {
+        let base = free_port()?;
+        let in_range = base.checked_add(n - 1).and_then(|top| top.checked_add(bus));
+        if in_range.is_none() {
+            continue;
+        }
+        if (base..base + n).all(|p| free(p) && (bus == 0 || free(p + bus))) {
+            return Ok(base);
+        }
+    }
+    bail!("no block of {n} free ports found")
+}
+
 /// Waits (up to 20 s) until something accepts connections on `port`.
 pub fn wait_for_port(port: u16, what: &str) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(20);

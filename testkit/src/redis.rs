@@ -183,9 +183,10 @@ pub struct RedisCluster {
 }
 
 impl RedisCluster {
-    /// On free ports.
+    /// On free ports (their cluster bus ports free and in range too).
     pub fn start() -> anyhow::Result<Self> {
-        Self::start_on([free_port()?, free_port()?, free_port()?])
+        let base = crate::process::free_port_block(3, true)?;
+        Self::start_on([base, base + 1, base + 2])
     }
 
     /// On given ports.

