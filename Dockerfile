@@ -21,7 +21,7 @@ COPY lua lua
 RUN touch src/main.rs src/lib.rs \
  && cargo build --release --locked --package ratelimiter --bin ratelimiter
 
-FROM debian:bookworm-slim
+FROM debian:12.8-slim
 # curl for the healthcheck; ca-certificates for TLS to a collector.
 # hadolint ignore=DL3008
 RUN apt-get update \

@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
-use testkit::{OtlpReceiver, TempDir, hammer};
+use testkit::{NativeStack, OtlpReceiver, TempDir, hammer};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ratelimiter");
 
@@ -185,11 +185,31 @@ fn compose_nginx_prometheus_and_grafana_agree() {
         api["RL_TRUSTED_PROXIES"], nginx_ip,
         "nginx is the only trusted proxy"
     );
-    let subnet = text(&compose["networks"]["stack"]["ipam"]["config"][0]["subnet"]);
-    assert!(
-        nginx_ip.starts_with(subnet.trim_end_matches("0/24")),
-        "{nginx_ip} in {subnet}"
-    );
+    let ipam = &compose["networks"]["stack"]["ipam"]["config"][0];
+    let subnet: ipnet::Ipv4Net = text(&ipam["subnet"]).parse().unwrap();
+    let pool: ipnet::Ipv4Net = text(&ipam["ip_range"]).parse().unwrap();
+    // Fixed addresses are in the subnet but outside the pool Docker hands
+    // the other containers from, so none of them can take one first.
+    let mut fixed = vec![nginx_ip.clone()];
+    for i in 1..=3 {
+        fixed.push(text(
+            &service(&compose, &format!("redis-{i}"))["networks"]["stack"]["ipv4_address"],
+        ));
+    }
+    let init = text(&service(&compose, "redis-init")["command"][0]);
+    for ip in &fixed {
+        let addr: std::net::Ipv4Addr = ip.parse().unwrap();
+        assert!(
+            subnet.contains(&addr) && !pool.contains(&addr),
+            "{ip}: in {subnet}, not in {pool}"
+        );
+    }
+    for ip in &fixed[1..] {
+        assert!(
+            init.contains(&format!("{ip}:6379")),
+            "the init creates the cluster of {ip}"
+        );
+    }
     let otlp = api["OTEL_EXPORTER_OTLP_ENDPOINT"].trim_start_matches("http://");
     assert!(services.contains(otlp.split(':').next().unwrap()), "{otlp}");
     assert!(
@@ -316,91 +336,13 @@ fn compose_nginx_prometheus_and_grafana_agree() {
 
 // ---- The native stack, end to end. ----
 
-struct Stack {
-    dir: TempDir,
-    env: Vec<(String, String)>,
-    nginx: u16,
-    prometheus: u16,
-    redis: u16,
-}
-
-impl Stack {
-    fn new(otlp: &str) -> Self {
-        let dir = TempDir::new("stack").unwrap();
-        // One block, so no two components can be handed the same port, and
-        // the Redis nodes' cluster bus ports (+10000) free and in range.
-        let base = testkit::free_port_block(11, true).unwrap();
-        let (nginx, prometheus) = (base, base + 1);
-        let (api, redis, exporters) = (base + 2, base + 5, base + 8);
-        let env = vec![
-            ("STACK_DIR", dir.0.display().to_string()),
-            ("STACK_NGINX_PORT", nginx.to_string()),
-            ("STACK_PROMETHEUS_PORT", prometheus.to_string()),
-            ("STACK_API_PORT_BASE", api.to_string()),
-            ("STACK_REDIS_PORT_BASE", redis.to_string()),
-            ("STACK_EXPORTER_PORT_BASE", exporters.to_string()),
-            // CPU caps are compose's business here: the test is about
-            // admission, and capped nodes only slow it down.
-            ("STACK_REDIS_CPUS", "none".into()),
-            ("RATELIMITER_BIN", BIN.into()),
-            ("OTEL_EXPORTER_OTLP_ENDPOINT", otlp.into()),
-            ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf".into()),
-            ("RL_TRACE_BATCH_DELAY", "100ms".into()),
-            // Admission, not latency: no deadline misses on a busy machine.
-            ("RL_FAILURE_DEADLINE", "2s".into()),
-            ("RL_REDIS_RESPONSE_TIMEOUT", "2s".into()),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_owned(), v))
-        .collect();
-        Self {
-            dir,
-            env,
-            nginx,
-            prometheus,
-            redis,
-        }
-    }
-
-    fn script(&self, what: &str, extra: &[(&str, &str)]) -> String {
-        let mut command = Command::new(repo("scripts/stack"));
-        command.arg(what).envs(self.env.iter().map(|(k, v)| (k, v)));
-        command.envs(extra.iter().copied());
-        let (ok, out) = run(&mut command);
-        assert!(ok, "scripts/stack {what}:\n{out}");
-        out
-    }
-
-    /// The pids `up` recorded.
-    fn pids(&self) -> Vec<i32> {
-        let mut pids = Vec::new();
-        for entry in std::fs::read_dir(self.dir.join("run")).unwrap() {
-            let path = entry.unwrap().path();
-            if path.extension().is_some_and(|e| e == "pid") {
-                pids.push(
-                    std::fs::read_to_string(&path)
-                        .unwrap()
-                        .trim()
-                        .parse()
-                        .unwrap(),
-                );
-            }
-        }
-        pids
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("http://127.0.0.1:{}{path}", self.nginx)
-    }
-}
-
 fn running(pid: i32) -> bool {
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok()
 }
 
 /// Admitted of `n` requests for one key from 32 clients through nginx,
 /// and the seconds it took.
-async fn budget(stack: &Stack, n: usize) -> (usize, f64) {
+async fn budget(stack: &NativeStack, n: usize) -> (usize, f64) {
     let started = Instant::now();
     let tally = hammer(&[stack.url("/api/items")], n, 32, "demo-key-01")
         .await
@@ -412,17 +354,34 @@ async fn budget(stack: &Stack, n: usize) -> (usize, f64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_native_stack_runs_the_compose_topology_end_to_end() {
     let receiver = OtlpReceiver::start().await.unwrap();
-    let stack = Stack::new(&receiver.http);
-    let out = stack.script("up", &[]);
+    let stack = NativeStack::new(
+        Path::new(BIN),
+        &[
+            // CPU caps are compose's business here: the test is about
+            // admission, and capped nodes only slow it down.
+            ("STACK_REDIS_CPUS", "none"),
+            ("STACK_GRAFANA", "off"),
+            ("STACK_JAEGER", "off"),
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", &receiver.http),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+            ("RL_TRACE_BATCH_DELAY", "100ms"),
+            // Admission, not latency: no deadline misses on a busy machine.
+            ("RL_FAILURE_DEADLINE", "2s"),
+            ("RL_REDIS_RESPONSE_TIMEOUT", "2s"),
+        ],
+    )
+    .unwrap();
+    let out = stack.up().unwrap();
     assert!(out.contains("nginx: started"), "{out}");
     // Idempotent: a second `up` starts nothing new.
-    let pids = stack.pids();
-    let again = stack.script("up", &[]);
+    let pids = stack.pids().unwrap();
+    let again = stack.up().unwrap();
     assert!(!again.contains(": started"), "{again}");
-    assert_eq!(stack.pids(), pids);
+    assert_eq!(stack.pids().unwrap(), pids);
     assert!(
         stack
             .script("status", &[])
+            .unwrap()
             .lines()
             .filter(|l| l.contains(" ok "))
             .count()
@@ -456,6 +415,27 @@ async fn the_native_stack_runs_the_compose_topology_end_to_end() {
     assert!(
         admitted as f64 <= spoof_bound,
         "{admitted} admitted with spoofed headers"
+    );
+    // Straight at an instance, from 127.0.0.1 (every local client's
+    // address): the instances do not trust it, so a spoofed
+    // X-Forwarded-For is ignored there too. (Trusting 127.0.0.1, as the
+    // old example did, admits all 60.)
+    let direct = format!("http://127.0.0.1:{}/api/items/1", stack.api + 1);
+    let started = Instant::now();
+    let mut admitted = 0;
+    for i in 0..60 {
+        let r = http
+            .get(&direct)
+            .header("x-forwarded-for", format!("10.3.{}.{}", i / 250, i % 250))
+            .send()
+            .await
+            .unwrap();
+        admitted += usize::from(r.status() == 200);
+    }
+    let spoof_bound = 20.0 + 2.0 * started.elapsed().as_secs_f64() + 1.0;
+    assert!(
+        admitted as f64 <= spoof_bound,
+        "{admitted} admitted by an instance from a spoofed X-Forwarded-For"
     );
 
     // Keys spread over all three nodes.
@@ -521,22 +501,22 @@ async fn the_native_stack_runs_the_compose_topology_end_to_end() {
     }
 
     // Down stops everything up started.
-    let pids = stack.pids();
+    let pids = stack.pids().unwrap();
     assert_eq!(
         pids.len(),
         11,
         "3 nodes, 3 exporters, 3 instances, nginx, Prometheus"
     );
-    stack.script("down", &[]);
+    stack.down().unwrap();
     std::thread::sleep(Duration::from_millis(200));
     let left: Vec<i32> = pids.into_iter().filter(|&p| running(p)).collect();
     assert!(left.is_empty(), "still running after down: {left:?}");
 
     // The memory backend on the same topology: each instance its own
     // bucket, about three times the budget.
-    stack.script("up", &[("STACK_BACKEND", "memory")]);
+    stack.script("up", &[("STACK_BACKEND", "memory")]).unwrap();
     let (memory, _) = budget(&stack, 600).await;
-    stack.script("down", &[]);
+    stack.down().unwrap();
     assert!(
         memory as f64 >= 2.5 * lua as f64 / (1.0 + seconds / 10.0) && memory >= 250,
         "memory admitted {memory}, lua {lua}"

@@ -11,7 +11,9 @@
 //! - [`fleet`]: N API instances as separate processes, and the hammer that
 //!   sends one key's requests at them concurrently;
 //! - [`otlp`]: a real OTLP trace receiver (gRPC and HTTP/protobuf) that
-//!   keeps the spans it is sent.
+//!   keeps the spans it is sent;
+//! - [`stack`]: the native stack (`scripts/stack`) on free ports, stopped
+//!   on drop.
 //!
 //! It does not depend on the service crate: it starts programs by path, so
 //! the service's own tests and the load tool use it alike. Fakes of the
@@ -25,9 +27,11 @@ pub mod fleet;
 pub mod otlp;
 pub mod process;
 pub mod redis;
+pub mod stack;
 
 pub use cgroup::CpuLimit;
 pub use fleet::{Fleet, Tally, hammer};
 pub use otlp::{OtlpReceiver, ReceivedSpan};
 pub use process::{ChildGuard, TempDir, free_port, free_port_block, wait_for_port};
 pub use redis::{RedisCluster, RedisServer, redis_cli};
+pub use stack::NativeStack;
