@@ -28,9 +28,13 @@ mod compare;
 mod instances;
 mod luabench;
 mod outage;
+mod prom;
 mod proxy;
 mod race;
+mod results;
+mod scenario;
 mod tracecost;
+mod traffic;
 
 use clap::{Parser, Subcommand};
 use goose::config::GooseConfiguration;
@@ -54,6 +58,12 @@ enum Command {
         #[command(flatten)]
         goose: Box<GooseConfiguration>,
     },
+    /// Steady realistic traffic against the stack: tenants by Zipf
+    /// popularity, abusive tenants, anonymous clients; every answer checked.
+    Mixed(scenario::TrafficArgs),
+    /// The hot-key incident: mixed traffic, a surge on one identity in the
+    /// middle third, mixed again; latency before, during and after.
+    Hotkey(scenario::HotkeyArgs),
     /// Over-admission of one key across K instances: memory vs naive vs lua.
     Race(race::RaceArgs),
     /// Redis CPU per Lua check and checks/s, ours beside redis-benchmark.
@@ -92,14 +102,31 @@ async fn get_items(user: &mut GooseUser) -> TransactionResult {
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    match Cli::parse().command {
+async fn main() -> std::process::ExitCode {
+    // The error and its causes on one line, without a backtrace: these
+    // are a tool's messages (nothing listening, a broken contract), not
+    // crashes.
+    match run(Cli::parse().command).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(command: Command) -> anyhow::Result<()> {
+    match command {
         Command::Smoke { api_key, goose } => {
+            scenario::require_stack(&goose)?;
             API_KEY.set(api_key).ok();
             let bounded = goose.run_time.is_some() || goose.iterations.is_some();
             let mut attack = GooseAttack::initialize_with_config(*goose)?
                 .register_scenario(scenario!("smoke").register_transaction(transaction!(get_items)))
                 .set_default(GooseDefault::Host, "http://127.0.0.1:8080")?
+                // Every user at once, so the run time is the time the
+                // bucket refills for (a slow ramp-up would add to it).
+                .set_default(GooseDefault::IncreaseRate, "1000")?
                 // Count the whole run, ramp-up included: the burst is spent then.
                 .set_default(GooseDefault::NoResetMetrics, true)?
                 // goose lists each 429 as an error before `set_success`
@@ -121,8 +148,31 @@ async fn main() -> anyhow::Result<()> {
                     }
                 }
             }
-            println!("smoke: admitted {admitted}, throttled {throttled}, other {other}");
+            println!(
+                "smoke: admitted {admitted}, throttled {throttled}, other {other} in {} s",
+                metrics.duration
+            );
             anyhow::ensure!(other == 0, "{other} responses were neither 200 nor 429");
+        }
+        Command::Mixed(args) => {
+            // Steady traffic: any error fails the run.
+            let report = scenario::mixed(args).await?;
+            anyhow::ensure!(
+                report.broken() + report.unavailable() == 0,
+                "{} answers broke the contract, {} were 5xx or none",
+                report.broken(),
+                report.unavailable()
+            );
+        }
+        Command::Hotkey(args) => {
+            // 5xx under the surge are the incident, reported above; an
+            // answer that breaks the contract is a bug.
+            let report = scenario::hotkey(args).await?;
+            anyhow::ensure!(
+                report.broken() == 0,
+                "{} answers broke the contract",
+                report.broken()
+            );
         }
         Command::Race(args) => {
             let results = race::run(args).await?;
