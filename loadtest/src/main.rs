@@ -24,6 +24,7 @@
 //! Redis under load (see `outage.rs`) and measures what each failure mode
 //! admits, how long requests wait and how fast Redis takes over again.
 
+mod capacity;
 mod compare;
 mod instances;
 mod luabench;
@@ -64,6 +65,10 @@ enum Command {
     /// The hot-key incident: mixed traffic, a surge on one identity in the
     /// middle third, mixed again; latency before, during and after.
     Hotkey(scenario::HotkeyArgs),
+    /// Where the Redis round trip, not the application, bounds one
+    /// instance: offered load stepped up, 0-2 ms added to each round trip,
+    /// beside no limiter and the memory limiter.
+    Capacity(capacity::CapacityArgs),
     /// Over-admission of one key across K instances: memory vs naive vs lua.
     Race(race::RaceArgs),
     /// Redis CPU per Lua check and checks/s, ours beside redis-benchmark.
@@ -174,6 +179,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 report.broken()
             );
         }
+        Command::Capacity(args) => capacity::run(args).await?,
         Command::Race(args) => {
             let results = race::run(args).await?;
             let errors: usize = results.iter().map(|r| r.errors).sum();

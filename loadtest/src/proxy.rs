@@ -114,7 +114,7 @@ async fn pump(
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
             let latency = Duration::from_micros(faults.latency_us.load(Ordering::Relaxed));
-            tokio::time::sleep_until(arrived + latency).await;
+            wait_until(arrived + latency).await;
             if to.write_all(&chunk).await.is_err() {
                 break;
             }
@@ -122,6 +122,21 @@ async fn pump(
         let _ = to.shutdown().await;
     };
     tokio::join!(reader, writer);
+}
+
+/// Sleeps until `deadline`, precisely: tokio's timer ticks in whole
+/// milliseconds, which would turn 0.25 ms into up to 1 ms (and 0 into a
+/// tick's wait), so the last stretch sleeps on a blocking thread (the OS's
+/// high-resolution timer), and a deadline already past costs nothing.
+async fn wait_until(deadline: Instant) {
+    const COARSE: Duration = Duration::from_millis(2);
+    if deadline.saturating_duration_since(Instant::now()) > COARSE {
+        tokio::time::sleep_until(deadline - COARSE).await;
+    }
+    let rest = deadline.saturating_duration_since(Instant::now());
+    if !rest.is_zero() {
+        let _ = tokio::task::spawn_blocking(move || std::thread::sleep(rest)).await;
+    }
 }
 
 #[cfg(test)]

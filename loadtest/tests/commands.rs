@@ -295,3 +295,61 @@ fn compare_shows_each_algorithm_keeping_its_promise() {
     }
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// `capacity`, tiny: every variant and step is measured and written, and
+/// nothing fails. (What bounds each point is unit-tested on synthetic
+/// series; a timing assertion here would only measure the machine.)
+#[test]
+fn capacity_measures_every_variant_and_writes_its_results() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = std::env::temp_dir().join(format!("loadtest-capacity-{}", std::process::id()));
+    let out = Command::new(BIN)
+        .args([
+            "capacity", "--rtts", "0,1", "--rates", "100,300", "--step", "0.5",
+        ])
+        .arg("--results")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let csv = std::fs::read_to_string(dir.join("capacity.csv")).unwrap();
+    let mut lines = csv.lines();
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
+    // no limiter, memory, lua +0 and +1 ms; two steps each.
+    assert_eq!(rows.len(), 8, "{csv}");
+    let col = |name: &str| header.iter().position(|h| *h == name).unwrap();
+    for row in &rows {
+        assert_eq!(row[col("errors")], "0", "{csv}");
+        assert!(
+            row[col("achieved/s")].parse::<f64>().unwrap() > 0.0,
+            "{csv}"
+        );
+    }
+    let lua: Vec<&Vec<&str>> = rows.iter().filter(|r| r[0].starts_with("lua")).collect();
+    assert_eq!(lua.len(), 4);
+    for row in &lua {
+        // The instance's own check histogram and the measured round trip.
+        assert_ne!(row[col("check p50 ms")], "-", "{csv}");
+        assert!(row[col("measured rtt ms")].parse::<f64>().unwrap() > 0.0);
+    }
+    // The +1 ms proxy really adds about a millisecond (a lower bound only).
+    let rtt = |added: &str| -> f64 {
+        lua.iter()
+            .find(|r| r[col("added rtt ms")] == added)
+            .unwrap()[col("measured rtt ms")]
+        .parse()
+        .unwrap()
+    };
+    assert!(rtt("1") >= rtt("0") + 0.9, "{csv}");
+    let knees = std::fs::read_to_string(dir.join("knees.md")).unwrap();
+    assert!(knees.contains("| lua +1 ms |"), "{knees}");
+    for png in ["throughput.png", "check-p99.png", "request-p99.png"] {
+        assert!(dir.join(png).exists(), "{png} (needs fonts-dejavu-core)");
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -181,7 +181,10 @@ fn the_scenarios_run_against_the_native_stack() {
         phases[1]
     );
     assert!(tenant.dir.join("timeline.csv").exists());
-    assert!(tenant.dir.join("hotkey.png").exists(), "the plot (needs fonts-dejavu-core)");
+    assert!(
+        tenant.dir.join("hotkey.png").exists(),
+        "the plot (needs fonts-dejavu-core)"
+    );
 
     // client-bug: a release's constant key from many installs.
     let bug = scenario(

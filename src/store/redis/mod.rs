@@ -39,7 +39,7 @@ use crate::key::BucketKey;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::{Cmd, Pipeline, RedisError, RedisFuture, Value};
+use redis::{Cmd, IntoConnectionInfo, Pipeline, RedisError, RedisFuture, Value};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::OnceCell;
@@ -173,6 +173,21 @@ impl ConnectionLike for RedisConnection {
     }
 }
 
+/// TCP settings for every connection to Redis: Nagle's algorithm off. A
+/// check is one small command; with Nagle on (the redis crate's default),
+/// a second check written while the first is unacknowledged waits for that
+/// ACK, which the server's side delays until it has something to send:
+/// concurrent checks then take up to two round trips instead of one.
+/// Measured with `loadtest capacity` (docs/capacity.md).
+pub fn tcp_settings() -> redis::io::tcp::TcpSettings {
+    redis::io::tcp::TcpSettings::default().set_nodelay(true)
+}
+
+/// A standalone server's connection info: `url` with [`tcp_settings`].
+pub fn connection_info(url: &str) -> redis::RedisResult<redis::ConnectionInfo> {
+    Ok(url.into_connection_info()?.set_tcp_settings(tcp_settings()))
+}
+
 impl RedisConnection {
     /// Connects as `settings` say, lazily: the first command connects (and
     /// a failed attempt is retried by a later command), so the service
@@ -185,6 +200,7 @@ impl RedisConnection {
                 .retries(settings.retries)
                 .min_retry_wait(1)
                 .max_retry_wait(50)
+                .tcp_settings(tcp_settings())
                 .build()?;
             let link = Link::Cluster(LazyCluster {
                 shared: Arc::new((client, OnceCell::new())),
@@ -206,7 +222,7 @@ impl RedisConnection {
                 .first()
                 .map(String::as_str)
                 .unwrap_or("redis://127.0.0.1:6379");
-            let client = redis::Client::open(url)?;
+            let client = redis::Client::open(connection_info(url)?)?;
             let config = ConnectionManagerConfig::new()
                 .set_connection_timeout(Some(settings.connect_timeout))
                 .set_response_timeout(Some(settings.response_timeout))
@@ -250,5 +266,14 @@ mod tests {
         assert_eq!(key, "rl:{00000000000000000000000000000abc}");
         let key = redis_key("rl:", Algorithm::SlidingLog, BucketKey(0xabc));
         assert_eq!(key, "rl:log:{00000000000000000000000000000abc}");
+    }
+
+    #[test]
+    fn connections_turn_nagle_off() {
+        assert!(tcp_settings().nodelay());
+        let info = connection_info("redis://127.0.0.1:6380/0").unwrap();
+        assert!(info.tcp_settings().nodelay());
+        assert_eq!(info.addr().to_string(), "127.0.0.1:6380");
+        assert!(connection_info("not a url").is_err());
     }
 }
