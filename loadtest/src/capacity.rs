@@ -69,6 +69,9 @@ pub enum Bound {
     /// Every slot was in flight, and neither the round trip nor the CPU
     /// explains it.
     InFlight,
+    /// Neither the slots nor the CPU were full, yet the offer was not met:
+    /// the load generator could not send it (or something unmeasured).
+    Generator,
 }
 
 impl Bound {
@@ -78,6 +81,7 @@ impl Bound {
             Bound::RoundTrip => "round trip",
             Bound::Cpu => "CPU",
             Bound::InFlight => "in flight",
+            Bound::Generator => "generator?",
         }
     }
 }
@@ -89,7 +93,8 @@ pub struct Point {
     pub achieved: f64,
     /// Mean request latency, seconds.
     pub mean_latency: f64,
-    /// Busy fraction of all the machine's cores.
+    /// Busy fraction of all the machine's cores, from the processes in the
+    /// measurement (generator, instance, redis-server).
     pub machine_cpu: f64,
     /// Share of the offers that found every slot in flight (not sent).
     pub turned_away: f64,
@@ -123,10 +128,7 @@ pub fn bound_by(p: &Point, rtt: Duration) -> Bound {
     } else if saturated {
         Bound::InFlight
     } else {
-        // Neither the slots nor the CPU were full, yet the offer was not
-        // met: the machine (the load generator, the scheduler) could not
-        // send it. Count it as CPU, the shared resource.
-        Bound::Cpu
+        Bound::Generator
     }
 }
 
@@ -219,20 +221,16 @@ fn process_cpu(pid: u32) -> Option<f64> {
     Some(ticks / 100.0) // USER_HZ
 }
 
-/// (busy, total) jiffies of all cores, from /proc/stat: busy is user,
-/// nice, system, irq and softirq; idle, iowait and steal (time the
-/// hypervisor gave to another guest) are not.
-fn machine_cpu() -> Option<(f64, f64)> {
-    let stat = std::fs::read_to_string("/proc/stat").ok()?;
-    let line = stat.lines().next()?.strip_prefix("cpu ")?;
-    let v: Vec<f64> = line
-        .split_whitespace()
-        .filter_map(|x| x.parse().ok())
-        .collect();
-    let field = |i: usize| v.get(i).copied().unwrap_or(0.0);
-    let busy = field(0) + field(1) + field(2) + field(5) + field(6);
-    let total: f64 = (0..8).map(field).sum();
-    Some((busy, total))
+/// CPU seconds used so far by the processes that share the machine in a
+/// step: this load generator, the instance and redis-server. (The machine's
+/// own /proc/stat counters proved unreliable on the test VM: steps with a
+/// busy instance read 0 %.)
+fn cpu_of(pids: &[u32]) -> f64 {
+    pids.iter().filter_map(|&p| process_cpu(p)).sum()
+}
+
+fn cores() -> f64 {
+    std::thread::available_parallelism().map_or(1.0, |n| n.get() as f64)
 }
 
 /// The median of 200 PING round trips to `addr` (a Redis, or the proxy).
@@ -261,6 +259,8 @@ struct Variant {
     base: String,
     path: &'static str,
     pid: u32,
+    /// Every process of the measurement: this one, the instance, Redis.
+    sharing: Vec<u32>,
 }
 
 /// One step's full row.
@@ -301,7 +301,7 @@ async fn step(
         Arc::new(AtomicU64::new(0)),
     );
     let before = scrape(http, &v.base).await;
-    let cpu_before = machine_cpu();
+    let cpu_before = cpu_of(&v.sharing);
     let proc_before = process_cpu(v.pid);
     let start = Instant::now();
     let interval = Duration::from_secs_f64(1.0 / rate.max(1) as f64);
@@ -365,10 +365,7 @@ async fn step(
     let _all = slots.acquire_many(in_flight as u32).await;
     let elapsed = start.elapsed().as_secs_f64();
     let after = scrape(http, &v.base).await;
-    let machine = match (cpu_before, machine_cpu()) {
-        (Some((b0, t0)), Some((b1, t1))) if t1 > t0 => (b1 - b0) / (t1 - t0),
-        _ => f64::NAN,
-    };
+    let machine = (cpu_of(&v.sharing) - cpu_before) / (elapsed * cores());
     let cores = match (proc_before, process_cpu(v.pid)) {
         (Some(a), Some(b)) => (b - a) / elapsed,
         _ => f64::NAN,
@@ -395,6 +392,18 @@ async fn step(
     }
 }
 
+/// The baseline's config: the same route, unlimited.
+fn unlimited_config(dir: &TempDir) -> anyhow::Result<PathBuf> {
+    let path = dir.join("unlimited.toml");
+    std::fs::write(
+        &path,
+        "key_secret = \"capacity-scenario-shared-secret\"\n\
+         [[api_keys]]\nid = \"tenant\"\nkey = \"capacity-key\"\n\
+         [[policies]]\nname = \"api\"\nroute = \"/api/\"\nunlimited = true\n",
+    )?;
+    Ok(path)
+}
+
 fn config(dir: &TempDir) -> anyhow::Result<PathBuf> {
     let path = dir.join("capacity.toml");
     // A limit no step reaches: the cost of checking, never of denying.
@@ -417,6 +426,12 @@ fn us_ms(us: Option<u64>) -> String {
 }
 
 pub async fn run(args: CapacityArgs) -> anyhow::Result<()> {
+    // The instances are this executable: a dev build would measure a debug
+    // limiter (the dev profile optimises dependencies, not the service).
+    anyhow::ensure!(
+        !cfg!(debug_assertions) || std::env::var_os("LOADTEST_ALLOW_DEBUG").is_some(),
+        "capacity measures the service itself: run it from a release build, `cargo run --release -p loadtest -- capacity`"
+    );
     anyhow::ensure!(
         !args.rates.is_empty() && args.in_flight > 0,
         "need --rates and --in-flight"
@@ -435,7 +450,7 @@ pub async fn run(args: CapacityArgs) -> anyhow::Result<()> {
     // A generous deadline: every check goes to Redis, however slow, so the
     // measurement is of the synchronous check (the service's default, 10
     // ms, would hand slow checks to the local share).
-    let common = |backend: &str| -> Vec<String> {
+    let common = |backend: &str, config: &PathBuf| -> Vec<String> {
         let mut flags = vec![
             "--config".into(),
             config.display().to_string(),
@@ -451,8 +466,11 @@ pub async fn run(args: CapacityArgs) -> anyhow::Result<()> {
         }
         flags
     };
-    let memory = instances::start(1, &common("memory"))?;
-    let lua = instances::start(1, &common("lua"))?;
+    let unlimited = instances::start(1, &common("memory", &unlimited_config(&scratch)?))?;
+    let memory = instances::start(1, &common("memory", &config))?;
+    let lua = instances::start(1, &common("lua", &config))?;
+    let generator = std::process::id();
+    let redis_pid = redis.pid().context("redis-server has no pid")?;
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(5))
         .pool_max_idle_per_host(args.in_flight)
@@ -462,9 +480,10 @@ pub async fn run(args: CapacityArgs) -> anyhow::Result<()> {
         Variant {
             name: "no limiter".into(),
             rtt: Duration::ZERO,
-            base: memory.urls[0].clone(),
-            path: "/api/status",
-            pid: memory.pids()[0],
+            base: unlimited.urls[0].clone(),
+            path: "/api/items",
+            pid: unlimited.pids()[0],
+            sharing: vec![generator, unlimited.pids()[0]],
         },
         Variant {
             name: "memory".into(),
@@ -472,6 +491,7 @@ pub async fn run(args: CapacityArgs) -> anyhow::Result<()> {
             base: memory.urls[0].clone(),
             path: "/api/items",
             pid: memory.pids()[0],
+            sharing: vec![generator, memory.pids()[0]],
         },
     ];
     for rtt in &args.rtts {
@@ -481,6 +501,7 @@ pub async fn run(args: CapacityArgs) -> anyhow::Result<()> {
             base: lua.urls[0].clone(),
             path: "/api/items",
             pid: lua.pids()[0],
+            sharing: vec![generator, lua.pids()[0], redis_pid],
         });
     }
 
@@ -496,7 +517,7 @@ pub async fn run(args: CapacityArgs) -> anyhow::Result<()> {
         "check p99 ms",
         "mean in flight",
         "turned away %",
-        "machine CPU %",
+        "CPU % (of all cores)",
         "instance cores",
         "errors",
         "bound by",
@@ -506,7 +527,7 @@ pub async fn run(args: CapacityArgs) -> anyhow::Result<()> {
         // Half the added round trip each way; then what a round trip to
         // Redis through the proxy really takes (the bound uses this).
         proxy.set_latency(v.rtt / 2);
-        let measured = if v.path == "/api/items" && v.name.starts_with("lua") {
+        let measured = if v.name.starts_with("lua") {
             Some(ping_rtt(proxy.addr).await?)
         } else {
             None
@@ -549,7 +570,7 @@ pub async fn run(args: CapacityArgs) -> anyhow::Result<()> {
         }
         series.push((v.name.clone(), measured, rows));
     }
-    drop((memory, lua, proxy, redis));
+    drop((unlimited, memory, lua, proxy, redis));
 
     let mut knees = Table::new(&[
         "variant",
@@ -558,9 +579,14 @@ pub async fn run(args: CapacityArgs) -> anyhow::Result<()> {
         "measured rtt ms",
         "in-flight / RTT bound",
         "capacity / bound",
-        "in-flight / check p50 at the knee",
         "bound at the knee",
+        "instance CPU us per request",
+        "x no limiter",
     ]);
+    // The limiter's cost as a ratio: the instance's CPU per request at the
+    // highest offer that both this variant and the baseline kept up with.
+    let baseline = series.first().map(|(_, _, rows)| rows);
+    let cpu_per_request = |r: &Row| r.instance_cores / r.point.achieved * 1e6;
     for (name, rtt, rows) in &series {
         let points: Vec<Point> = rows.iter().map(|r| r.point).collect();
         let rtt = rtt.unwrap_or_default();
@@ -576,6 +602,19 @@ pub async fn run(args: CapacityArgs) -> anyhow::Result<()> {
             .iter()
             .find(|p| p.achieved < KEPT_UP * p.offered)
             .map_or("-", |p| bound_by(p, rtt).name());
+        let kept_up = |r: &Row| r.point.achieved >= KEPT_UP * r.point.offered;
+        let cost = rows
+            .iter()
+            .enumerate()
+            .rfind(|(i, r)| kept_up(r) && baseline.is_some_and(|b| b.get(*i).is_some_and(kept_up)))
+            .map(|(i, r)| {
+                let base = baseline.map(|b| cpu_per_request(&b[i]));
+                (
+                    r.point.offered,
+                    cpu_per_request(r),
+                    base.map(|b| cpu_per_request(r) / b),
+                )
+            });
         knees.row(vec![
             name.clone(),
             format!("{most:.0}"),
@@ -587,11 +626,12 @@ pub async fn run(args: CapacityArgs) -> anyhow::Result<()> {
             },
             bound.map_or("-".into(), |b| format!("{b:.0}")),
             bound.map_or("-".into(), |b| format!("{:.2}", most / b)),
-            rows.iter()
-                .find(|r| r.point.achieved < KEPT_UP * r.point.offered)
-                .and_then(|r| r.check_p50)
-                .map_or("-".into(), |c| format!("{:.0}", args.in_flight as f64 / c)),
             at_knee.into(),
+            cost.map_or("-".into(), |(rate, us, _)| {
+                format!("{us:.1} (at {rate:.0}/s)")
+            }),
+            cost.and_then(|(_, _, x)| x)
+                .map_or("-".into(), |x| format!("{x:.2}")),
         ]);
     }
     println!("{}\n", table.markdown());
@@ -705,10 +745,10 @@ mod tests {
             Bound::InFlight
         );
         // No offer turned away and the CPU not busy, yet the offer not
-        // met: it could not be sent; the shared CPU.
+        // met: the generator could not send it, not the instance's limit.
         assert_eq!(
             bound_by(&p(8000.0, 3000.0, 1.0, 0.5), Duration::ZERO),
-            Bound::Cpu
+            Bound::Generator
         );
         assert!((mean_in_flight(&p(4000.0, 3450.0, 2.3, 0.4)) - 7.935).abs() < 1e-9);
     }

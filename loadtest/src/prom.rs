@@ -1,6 +1,8 @@
 //! What the stack's Prometheus saw during a run, through its HTTP API: the
 //! check latency the instances measured and how the Redis calls spread
-//! over the nodes. The same PromQL as the dashboards.
+//! over the nodes. The node share is the dashboards' per-node call rate;
+//! the check quantile is the dashboards' check p99 over the whole fleet
+//! (`sum by (le)`, where the panel splits by instance).
 
 use serde_json::Value;
 use std::collections::BTreeMap;

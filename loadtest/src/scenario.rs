@@ -461,11 +461,14 @@ async fn run(
         classes.push((Class::Surge, SURGE_USERS));
     }
     let users: usize = classes.iter().map(|(_, w)| w).sum();
+    let report_file = match args.goose.report_file.first() {
+        Some(theirs) => PathBuf::from(theirs),
+        None => dir.join("goose.html"),
+    };
     let mut attack = GooseAttack::initialize_with_config(*args.goose)?;
     for (class, weight) in &classes {
         attack = attack.register_scenario(scenario_for(*class, *weight)?);
     }
-    let report_file = dir.join("goose.html");
     let attack = attack
         .set_default(GooseDefault::Host, "http://127.0.0.1:8080")?
         .set_default(GooseDefault::Users, users)?
@@ -612,7 +615,9 @@ async fn phases(
         let i = phase as usize;
         let seconds = until.duration_since(from).unwrap_or_default().as_secs();
         let (check50, check99, share) = if up {
-            let window = seconds.max(10);
+            // rate() needs two scrapes (every 5 s) inside its window:
+            // a phase shorter than 15 s reads the 15 s before its end.
+            let window = seconds.max(15);
             (
                 prometheus.check_quantile(0.5, window, until).await,
                 prometheus.check_quantile(0.99, window, until).await,

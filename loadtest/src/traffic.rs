@@ -238,7 +238,11 @@ fn rate_limit_fields(headers: &(impl Headers + ?Sized)) -> Result<(), String> {
             "ratelimit names {name}, ratelimit-policy says {policy:?}"
         ));
     }
-    if !policy.contains(&format!("q={limit}")) {
+    let quota = policy
+        .split(';')
+        .find_map(|p| p.trim().strip_prefix("q="))
+        .and_then(|q| q.parse::<u64>().ok());
+    if quota != Some(limit) {
         return Err(format!(
             "ratelimit-policy {policy:?} but ratelimit-limit {limit}"
         ));
@@ -441,6 +445,10 @@ mod tests {
         off[1] = ("ratelimit-remaining", "101");
         off[4] = ("ratelimit", "\"api\";r=101;t=0");
         assert!(matches!(check(200, &off[..]), Verdict::Broken(_)));
+        // q=100 is not q=10: the quota is compared whole.
+        let mut off = OK.to_vec();
+        off[0] = ("ratelimit-limit", "10");
+        assert!(matches!(check(200, &off[..]), Verdict::Broken(e) if e.contains("q=100")));
         let mut off = OK.to_vec();
         off[3] = ("ratelimit-policy", "\"orders\";q=100;w=10");
         assert!(matches!(check(200, &off[..]), Verdict::Broken(_)));

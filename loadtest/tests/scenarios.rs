@@ -140,7 +140,8 @@ fn the_scenarios_run_against_the_native_stack() {
     let tenant = scenario(
         &stack,
         &scratch.join("tenant"),
-        &["hotkey", "--cause", "tenant", "-u", "8", "-t", "9s"],
+        // Phases of 10 s: two Prometheus scrapes (every 5 s) in each.
+        &["hotkey", "--cause", "tenant", "-u", "8", "-t", "30s"],
     );
     clean(&tenant, &["tenant", "abusive", "anonymous", "surge"]);
     let starts = tenant
@@ -153,12 +154,12 @@ fn the_scenarios_run_against_the_native_stack() {
         .expect("surge stop announced");
     assert!(starts < stops);
     assert!(
-        tenant.stdout.contains("[   3s] surge starts"),
+        tenant.stdout.contains("[  10s] surge starts"),
         "{}",
         tenant.stdout
     );
     assert!(
-        tenant.stdout.contains("[   6s] surge stops"),
+        tenant.stdout.contains("[  20s] surge stops"),
         "{}",
         tenant.stdout
     );
