@@ -1,12 +1,29 @@
 //! The API service binary: parse config, bind, serve until a signal.
+//!
+//! Expected failures (a bad config, a bad flag, a port in use) print one
+//! line naming the field, file or address, and exit 1, whatever
+//! `RUST_BACKTRACE` says: backtraces are for bugs, which still panic.
 
 use clap::Parser;
 use ratelimiter::config::{Cli, Config};
 use ratelimiter::server;
+use std::process::ExitCode;
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let config = Config::load(Cli::parse())?;
-    server::run(config).await?;
-    Ok(())
+async fn main() -> ExitCode {
+    let config = match Config::load(Cli::parse()) {
+        Ok(config) => config,
+        Err(e) => {
+            // Its message already names the field or file, and the cause.
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match server::run(config).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
 }

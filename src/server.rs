@@ -157,6 +157,13 @@ pub async fn run(config: Config) -> Result<(), RunError> {
 }
 
 async fn run_instance(config: &Config) -> Result<(), RunError> {
+    for range in config.wide_trusted_ranges() {
+        tracing::warn!(
+            %range,
+            "trusted proxy range holds more than {} addresses: every client inside it can set X-Forwarded-For and choose its own bucket; trust the proxies' own addresses (trusted_proxy_warn_addresses sets this warning's threshold)",
+            config.trusted_proxy_warn_addresses
+        );
+    }
     if config.key_secret.is_none() {
         tracing::warn!(
             "key_secret not set: identities are hashed with a random per-process key; set RL_KEY_SECRET when instances share a store"

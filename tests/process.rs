@@ -108,6 +108,57 @@ fn invalid_config_fails_at_startup_naming_the_field() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("trusted_proxies[0]"));
 }
 
+/// An expected start-up error is one line, even with RUST_BACKTRACE set
+/// (as on many developer machines), and says each thing once.
+#[test]
+fn start_up_errors_are_one_line_without_a_backtrace() {
+    let dir = TempDir::new("one-line").unwrap();
+    let bad = dir.0.join("bad.toml");
+    std::fs::write(
+        &bad,
+        "[[policies]]\nname = \"api\"\nroute = \"/api/\"\nburst = 0\nrate = 1\n",
+    )
+    .unwrap();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken = taken.local_addr().unwrap().to_string();
+    let missing = dir.0.join("missing.toml");
+    let cases: [(Vec<std::ffi::OsString>, &str); 3] = [
+        (
+            vec!["--config".into(), bad.clone().into()],
+            "policies[0].burst",
+        ),
+        (
+            vec!["--config".into(), missing.clone().into()],
+            "missing.toml",
+        ),
+        (vec!["--listen".into(), taken.clone().into()], &taken),
+    ];
+    for (args, names) in cases {
+        let out = Command::new(BIN)
+            .args(&args)
+            .env("RUST_BACKTRACE", "1")
+            // The service's own log lines (a warning about key_secret) are
+            // not the error report.
+            .env("RUST_LOG", "off")
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+        assert_eq!(lines.len(), 1, "{args:?}:\n{stderr}");
+        assert!(
+            lines[0].starts_with("error: ") && lines[0].contains(names),
+            "{stderr}"
+        );
+        assert!(
+            !stderr.contains("backtrace") && !stderr.contains("Caused by"),
+            "{stderr}"
+        );
+        // The cause once, not twice.
+        assert!(stderr.matches("No such file").count() <= 1, "{stderr}");
+    }
+}
+
 /// GET once: status, `RateLimit-Limit` (if any) and body.
 fn probe(port: u16, path: &str) -> (u16, Option<String>, String) {
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -200,4 +251,33 @@ fn starts_without_a_redis_cluster_and_connects_when_it_appears() {
         .flat_map(|p| ["--redis-cluster".into(), format!("redis://127.0.0.1:{p}")])
         .collect();
     starts_degraded_then_connects(&flags, || RedisCluster::start_on(ports).unwrap());
+}
+
+/// A trusted range wider than the threshold is warned about at start-up,
+/// naming the range (here before the bind fails on a taken port).
+#[test]
+fn a_wide_trusted_range_is_warned_about() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken = taken.local_addr().unwrap().to_string();
+    let out = Command::new(BIN)
+        .args([
+            "--trusted-proxy",
+            "10.0.0.0/8",
+            "--trusted-proxy",
+            "10.9.9.1",
+        ])
+        .args(["--listen", &taken])
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("trusted proxy range holds more than 256 addresses")
+            && stderr.contains("10.0.0.0/8"),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("10.9.9.1/32"),
+        "a single proxy is not wide: {stderr}"
+    );
 }

@@ -64,6 +64,9 @@ pub struct Cli {
     #[arg(long, env = "RL_KEY_SECRET", hide_env_values = true)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub key_secret: Option<String>,
+    #[arg(long, env = "RL_TRUSTED_PROXY_WARN_ADDRESSES", help = help("Warn at start-up about a trusted proxy range holding more addresses than this: every client inside it may choose its own address", "trusted_proxy_warn_addresses"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trusted_proxy_warn_addresses: Option<u64>,
     #[arg(long, env = "RL_IPV6_PREFIX", help = help("IPv6 clients are keyed by this prefix length", "ipv6_prefix"))]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ipv6_prefix: Option<u8>,

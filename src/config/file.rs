@@ -24,6 +24,9 @@ pub struct Settings {
     pub instance_id: Option<String>,
     /// `trusted_proxies`.
     pub trusted_proxies: Vec<String>,
+    /// `trusted_proxy_warn_addresses`: a trusted range holding more
+    /// addresses than this is warned about at start-up.
+    pub trusted_proxy_warn_addresses: u64,
     /// `key_secret` (`None`: random per process).
     pub key_secret: Option<String>,
     /// `ipv6_prefix`.
@@ -179,6 +182,8 @@ impl Default for Settings {
             backend: Backend::Memory,
             instance_id: None,
             trusted_proxies: Vec::new(),
+            // A /24 (or an IPv6 /120): a subnet of proxies, not a network.
+            trusted_proxy_warn_addresses: 256,
             key_secret: None,
             ipv6_prefix: 64,
             // envoy ratelimit's near-limit ratio is 0.8 of the limit used.

@@ -10,6 +10,7 @@
 //! | `backend` | `--backend` / `RL_BACKEND` | `memory` |
 //! | `instance_id` | `--instance-id` / `RL_INSTANCE_ID` | `<hostname>-<pid>` |
 //! | `trusted_proxies` | `--trusted-proxy` (repeatable) / `RL_TRUSTED_PROXIES` (comma separated) | none |
+//! | `trusted_proxy_warn_addresses` | `--trusted-proxy-warn-addresses` / `RL_TRUSTED_PROXY_WARN_ADDRESSES` | `256` |
 //! | `key_secret` | `--key-secret` / `RL_KEY_SECRET` | random per process |
 //! | `ipv6_prefix` | `--ipv6-prefix` / `RL_IPV6_PREFIX` | `64` |
 //! | `near_limit_fraction` | `--near-limit-fraction` / `RL_NEAR_LIMIT_FRACTION` | `0.2` |
@@ -104,6 +105,8 @@ pub struct Config {
     pub instance_id: String,
     /// Proxies whose `X-Forwarded-For` is believed.
     pub trusted_proxies: Vec<IpNet>,
+    /// Trusted ranges holding more addresses than this are warned about.
+    pub trusted_proxy_warn_addresses: u64,
     /// The SipHash key for client identities; `None` means random at start.
     pub key_secret: Option<[u8; 16]>,
     /// Prefix length IPv6 clients are keyed by.
@@ -174,6 +177,25 @@ fn field_name(path: &[String]) -> String {
 }
 
 impl Config {
+    /// The trusted proxy ranges holding more than
+    /// `trusted_proxy_warn_addresses` addresses. Every client inside a
+    /// trusted range may write its own `X-Forwarded-For` and so choose its
+    /// own bucket: right for a subnet of proxies, a surprise for a whole
+    /// network (`10.0.0.0/8`).
+    pub fn wide_trusted_ranges(&self) -> Vec<IpNet> {
+        self.trusted_proxies
+            .iter()
+            .filter(|net| {
+                let host_bits = u32::from(net.max_prefix_len() - net.prefix_len());
+                // None: more addresses than a u128 holds (an IPv6 /0).
+                1u128
+                    .checked_shl(host_bits)
+                    .is_none_or(|n| n > u128::from(self.trusted_proxy_warn_addresses))
+            })
+            .copied()
+            .collect()
+    }
+
     /// Reads the file named by `cli.config` (if any) and layers the flags
     /// over it.
     pub fn load(cli: Cli) -> Result<Self, ConfigError> {

@@ -289,3 +289,43 @@ fn the_stack_config_is_valid_and_carries_no_secret() {
         other => panic!("expected key_secret refused, got {other:?}"),
     }
 }
+
+#[test]
+fn trusted_ranges_wider_than_the_threshold_are_named() {
+    let cli = Cli::try_parse_from([
+        "ratelimiter",
+        "--trusted-proxy",
+        "10.0.0.0/8",
+        "--trusted-proxy",
+        "10.1.2.0/24",
+        "--trusted-proxy",
+        "10.1.3.0/23",
+        "--trusted-proxy",
+        "fd00::/64",
+        "--trusted-proxy",
+        "fd00::/120",
+        "--trusted-proxy",
+        "::/0",
+        "--trusted-proxy",
+        "192.0.2.7",
+    ])
+    .unwrap();
+    let c = Config::load(cli).unwrap();
+    assert_eq!(c.trusted_proxy_warn_addresses, 256, "the default: a /24");
+    let wide: Vec<String> = c
+        .wide_trusted_ranges()
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(wide, ["10.0.0.0/8", "10.1.3.0/23", "fd00::/64", "::/0"]);
+
+    let cli = Cli::try_parse_from([
+        "ratelimiter",
+        "--trusted-proxy",
+        "10.0.0.0/8",
+        "--trusted-proxy-warn-addresses",
+        "16777216",
+    ])
+    .unwrap();
+    assert!(Config::load(cli).unwrap().wide_trusted_ranges().is_empty());
+}

@@ -110,6 +110,7 @@ pub(super) fn validate(s: Settings) -> Result<Config, ConfigError> {
         backend,
         instance_id,
         trusted_proxies,
+        trusted_proxy_warn_addresses: s.trusted_proxy_warn_addresses,
         key_secret,
         ipv6_prefix: s.ipv6_prefix,
         near_limit_fraction: s.near_limit_fraction,
