@@ -19,6 +19,7 @@ use crate::limiter::Limiter;
 use crate::middleware::RateLimitLayer;
 use crate::store::{FailureMode, Store};
 use crate::telemetry;
+use axum::extract::rejection::{JsonRejection, PathRejection};
 use axum::extract::{Path, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -109,7 +110,24 @@ fn problem(status: StatusCode, slug: &str, title: &'static str, detail: String) 
     Problem::new(slug, title, status.as_u16(), detail).into_response()
 }
 
-async fn get_item(Path(id): Path<u32>) -> Response {
+/// axum's extractor rejections as problem+json, with their status (400 a
+/// malformed body or path, 413 too large, 415 not JSON, 422 the wrong
+/// shape) and axum's explanation as the detail.
+fn rejection(status: StatusCode, detail: String) -> Response {
+    let (slug, title) = match status {
+        StatusCode::PAYLOAD_TOO_LARGE => ("too-large", "Content Too Large"),
+        StatusCode::UNSUPPORTED_MEDIA_TYPE => ("unsupported-media-type", "Unsupported Media Type"),
+        StatusCode::UNPROCESSABLE_ENTITY => ("invalid-body", "Unprocessable Content"),
+        _ => ("bad-request", "Bad Request"),
+    };
+    problem(status, slug, title, detail)
+}
+
+async fn get_item(id: Result<Path<u32>, PathRejection>) -> Response {
+    let id = match id {
+        Ok(Path(id)) => id,
+        Err(e) => return rejection(e.status(), e.body_text()),
+    };
     match ITEMS.iter().find(|i| i.id == id) {
         Some(item) => Json(item).into_response(),
         None => problem(
@@ -135,7 +153,14 @@ struct Order {
     instance: Arc<str>,
 }
 
-async fn create_order(State(state): State<AppState>, Json(order): Json<NewOrder>) -> Response {
+async fn create_order(
+    State(state): State<AppState>,
+    order: Result<Json<NewOrder>, JsonRejection>,
+) -> Response {
+    let order = match order {
+        Ok(Json(order)) => order,
+        Err(e) => return rejection(e.status(), e.body_text()),
+    };
     if !ITEMS.iter().any(|i| i.id == order.item_id) {
         return problem(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -166,6 +191,43 @@ async fn status(State(state): State<AppState>) -> Json<serde_json::Value> {
         "instance": &*state.instance_id,
         "backend": state.limiter.backend(),
     }))
+}
+
+/// Unknown routes: 404 problem+json.
+async fn no_route(uri: axum::http::Uri) -> Response {
+    problem(
+        StatusCode::NOT_FOUND,
+        "not-found",
+        "Not Found",
+        format!("no route {}", uri.path()),
+    )
+}
+
+/// A known route with another method: axum's 405, given a problem+json
+/// body here, its headers (`Allow`, the RateLimit fields) kept. axum's own
+/// 405 is answered inside the route, so the limiter still decides first: a
+/// flood of wrong methods is limited like any other request.
+async fn problem_for_405(response: Response) -> Response {
+    let is_problem = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/problem+json"));
+    if response.status() != StatusCode::METHOD_NOT_ALLOWED || is_problem {
+        return response;
+    }
+    let (parts, _) = response.into_parts();
+    let mut answer = problem(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method-not-allowed",
+        "Method Not Allowed",
+        "this route does not take that method; see Allow".into(),
+    );
+    for (name, value) in &parts.headers {
+        if name != header::CONTENT_TYPE && name != header::CONTENT_LENGTH {
+            answer.headers_mut().append(name, value.clone());
+        }
+    }
+    answer
 }
 
 async fn healthz() -> &'static str {
@@ -244,9 +306,11 @@ pub fn app(state: AppState) -> Router {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
+        .fallback(no_route)
         // Outside the limiter: every matched route's template reaches the
         // telemetry layer, 429s included.
         .route_layer(axum::middleware::from_fn(telemetry::http::mark_route))
+        .layer(axum::middleware::map_response(problem_for_405))
         .layer(axum::middleware::map_response_with_state(
             state.clone(),
             add_instance_id,

@@ -428,3 +428,70 @@ async fn a_fixed_window_policy_runs_in_memory() {
     assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(h["retry-after"], "10");
 }
+
+/// Every error a client can get is RFC 9457 problem+json with its status,
+/// axum's own rejections included.
+#[tokio::test]
+async fn every_error_is_problem_json() {
+    let app = example_app();
+    let key = ("x-api-key", "demo-key-a");
+    let json = ("content-type", "application/json");
+    let big = format!(
+        r#"{{"item_id": 1, "quantity": 1, "pad": "{}"}}"#,
+        "x".repeat(3 << 20)
+    );
+    let cases: Vec<(Request<Body>, StatusCode)> = vec![
+        // not JSON at all, by its content type
+        (
+            request("POST", "/api/orders", &[key], None),
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        ),
+        // JSON that does not parse
+        (
+            request("POST", "/api/orders", &[key], Some("{\"item_id\": ")),
+            StatusCode::BAD_REQUEST,
+        ),
+        // JSON of the wrong shape
+        (
+            request("POST", "/api/orders", &[key], Some(r#"{"item_id": "one"}"#)),
+            StatusCode::UNPROCESSABLE_ENTITY,
+        ),
+        // larger than the body limit (2 MB)
+        (
+            request("POST", "/api/orders", &[key, json], Some(&big)),
+            StatusCode::PAYLOAD_TOO_LARGE,
+        ),
+        // a path parameter that is not a number
+        (
+            request("GET", "/api/items/abc", &[key], None),
+            StatusCode::BAD_REQUEST,
+        ),
+        // no such route
+        (request("GET", "/nope", &[], None), StatusCode::NOT_FOUND),
+        // a route without this method
+        (
+            request("DELETE", "/api/items", &[key], None),
+            StatusCode::METHOD_NOT_ALLOWED,
+        ),
+        (
+            request("POST", "/healthz", &[], None),
+            StatusCode::METHOD_NOT_ALLOWED,
+        ),
+    ];
+    for (req, expected) in cases {
+        let what = format!("{} {}", req.method(), req.uri());
+        let (status, h, body) = send(&app, req).await;
+        assert_eq!(status, expected, "{what}: {body}");
+        assert_eq!(h["content-type"], "application/problem+json", "{what}");
+        let problem: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(problem["status"], expected.as_u16(), "{what}: {body}");
+        assert!(
+            problem["type"].as_str().unwrap().starts_with("/problems/"),
+            "{what}"
+        );
+        assert!(!problem["detail"].as_str().unwrap().is_empty(), "{what}");
+        if expected == StatusCode::METHOD_NOT_ALLOWED {
+            assert!(h.get("allow").is_some(), "{what}: 405 says what is allowed");
+        }
+    }
+}
