@@ -208,11 +208,13 @@ async fn no_route(uri: axum::http::Uri) -> Response {
 /// 405 is answered inside the route, so the limiter still decides first: a
 /// flood of wrong methods is limited like any other request.
 async fn problem_for_405(response: Response) -> Response {
-    let is_problem = response
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"application/problem+json"));
-    if response.status() != StatusCode::METHOD_NOT_ALLOWED || is_problem {
+    // Every response passes here: the status first, the header only for a 405.
+    if response.status() != StatusCode::METHOD_NOT_ALLOWED
+        || response
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .is_some_and(|v| v.as_bytes().starts_with(b"application/problem+json"))
+    {
         return response;
     }
     let (parts, _) = response.into_parts();

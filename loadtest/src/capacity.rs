@@ -417,14 +417,6 @@ fn config(dir: &TempDir) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
-fn ms(s: Option<f64>) -> String {
-    s.map_or("-".into(), |s| format!("{:.2}", s * 1000.0))
-}
-
-fn us_ms(us: Option<u64>) -> String {
-    us.map_or("-".into(), |us| format!("{:.2}", us as f64 / 1000.0))
-}
-
 pub async fn run(args: CapacityArgs) -> anyhow::Result<()> {
     // The instances are this executable: a dev build would measure a debug
     // limiter (the dev profile optimises dependencies, not the service).
@@ -542,7 +534,7 @@ pub async fn run(args: CapacityArgs) -> anyhow::Result<()> {
                 "capacity: {} offered {rate}/s: {:.0}/s, p99 {} ms, {}",
                 v.name,
                 row.point.achieved,
-                us_ms(row.req_p99),
+                results::ms_from_us(row.req_p99),
                 bound.name()
             );
             table.row(vec![
@@ -555,10 +547,10 @@ pub async fn run(args: CapacityArgs) -> anyhow::Result<()> {
                 measured.map_or("-".into(), |m| format!("{:.3}", m.as_secs_f64() * 1000.0)),
                 rate.to_string(),
                 format!("{:.0}", row.point.achieved),
-                us_ms(row.req_p50),
-                us_ms(row.req_p99),
-                ms(row.check_p50),
-                ms(row.check_p99),
+                results::ms_from_us(row.req_p50),
+                results::ms_from_us(row.req_p99),
+                results::ms_from_secs(row.check_p50),
+                results::ms_from_secs(row.check_p99),
                 format!("{:.1}", mean_in_flight(&row.point)),
                 format!("{:.0}", row.point.turned_away * 100.0),
                 format!("{:.0}", row.point.machine_cpu * 100.0),

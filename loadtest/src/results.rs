@@ -70,6 +70,16 @@ impl Table {
     }
 }
 
+/// Microseconds as milliseconds with two decimals, `-` for none.
+pub fn ms_from_us(us: Option<u64>) -> String {
+    us.map_or("-".into(), |us| format!("{:.2}", us as f64 / 1000.0))
+}
+
+/// Seconds as milliseconds with two decimals, `-` for none.
+pub fn ms_from_secs(s: Option<f64>) -> String {
+    s.map_or("-".into(), |s| format!("{:.2}", s * 1000.0))
+}
+
 /// `part` of `whole` as a percentage with one decimal, `-` of nothing.
 pub fn percent(part: u64, whole: u64) -> String {
     if whole == 0 {

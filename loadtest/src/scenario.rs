@@ -572,10 +572,6 @@ fn describe(s: &Surge) -> String {
     }
 }
 
-fn ms(micros: Option<u64>) -> String {
-    micros.map_or("-".into(), |m| format!("{:.2}", m as f64 / 1000.0))
-}
-
 /// The before / surge / after table: request latency seen here, check
 /// latency and the hot node's share seen by the instances (Prometheus).
 async fn phases(
@@ -629,11 +625,11 @@ async fn phases(
         table.row(vec![
             phase.name().into(),
             seconds.to_string(),
-            ms(state.others[i].quantile(0.5)),
-            ms(state.others[i].quantile(0.99)),
-            ms(state.surging[i].quantile(0.99)),
-            check50.map_or("-".into(), |s| format!("{:.2}", s * 1000.0)),
-            check99.map_or("-".into(), |s| format!("{:.2}", s * 1000.0)),
+            results::ms_from_us(state.others[i].quantile(0.5)),
+            results::ms_from_us(state.others[i].quantile(0.99)),
+            results::ms_from_us(state.surging[i].quantile(0.99)),
+            results::ms_from_secs(check50),
+            results::ms_from_secs(check99),
             share.map_or("-".into(), |(node, s)| {
                 format!("{:.0} % ({node})", s * 100.0)
             }),
