@@ -278,10 +278,18 @@ async fn readyz(State(state): State<AppState>) -> Response {
 }
 
 async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
-    (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        state.metrics.render(),
-    )
+    let mut text = state.metrics.render();
+    // The hot keys are rendered now, not kept by the recorder: a key that
+    // cooled down must leave the page, and the recorder never forgets a
+    // series.
+    let hot = state.limiter.render_hot_keys();
+    if !hot.is_empty() {
+        if !text.is_empty() && !text.ends_with('\n') {
+            text.push('\n');
+        }
+        text.push_str(&hot);
+    }
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
 }
 
 async fn add_instance_id(State(state): State<AppState>, mut response: Response) -> Response {

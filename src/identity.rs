@@ -164,6 +164,15 @@ impl Identifier {
         Ok((Identity::Ip(self.mask(ip)), kind))
     }
 
+    /// Whether `peer` sent `X-Forwarded-For` without being a trusted proxy,
+    /// so the header is ignored. Now and then, a client trying to choose its
+    /// own bucket; on nearly every request, a proxy that should be trusted
+    /// and is not.
+    pub fn ignores_forwarding(&self, headers: &HeaderMap, peer: Option<IpAddr>) -> bool {
+        peer.is_some_and(|peer| !self.is_trusted(peer.to_canonical()))
+            && headers.contains_key("x-forwarded-for")
+    }
+
     fn is_trusted(&self, ip: IpAddr) -> bool {
         self.trusted_proxies.iter().any(|net| net.contains(&ip))
     }

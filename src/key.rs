@@ -15,6 +15,41 @@ use std::fmt;
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BucketKey(pub u128);
 
+impl BucketKey {
+    /// The Redis Cluster slot of this bucket: stores put the key's hex in
+    /// the hash tag (`<prefix><tag>{<hex>}`), so every key of the bucket,
+    /// whatever its algorithm, lives in this slot.
+    pub fn slot(self) -> u16 {
+        let mut hex = [0u8; 32];
+        let digits = b"0123456789abcdef";
+        for (i, byte) in hex.iter_mut().enumerate() {
+            let nibble = (self.0 >> (124 - 4 * i)) & 0xf;
+            *byte = digits[nibble as usize];
+        }
+        cluster_slot(&hex)
+    }
+}
+
+/// Slots in a Redis Cluster.
+pub const SLOTS: usize = 16_384;
+
+/// The Redis Cluster slot of a hash tag: CRC16 (XMODEM: polynomial 0x1021,
+/// initial 0) mod 16384, as the cluster hashes.
+pub fn cluster_slot(tag: &[u8]) -> u16 {
+    let mut crc: u16 = 0;
+    for &b in tag {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc % SLOTS as u16
+}
+
 impl fmt::Debug for BucketKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "BucketKey({self})")
@@ -45,6 +80,25 @@ impl KeyKind {
             KeyKind::ApiKey => "api_key",
             KeyKind::Ip => "ip",
             KeyKind::UnknownApiKey => "unknown_api_key",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bucket_lives_in_the_slot_of_its_hex() {
+        // The Redis Cluster specification's reference: CRC16 0x31C3.
+        assert_eq!(cluster_slot(b"123456789"), 0x31C3);
+        for key in [0, 1, 0xdead_beef, u128::MAX, 0x0123_4567_89ab_cdef << 64] {
+            let key = BucketKey(key);
+            assert_eq!(
+                key.slot(),
+                cluster_slot(key.to_string().as_bytes()),
+                "{key}"
+            );
         }
     }
 }

@@ -16,6 +16,8 @@
 //!   proxies; turned into a keyed hash so stores never hold credentials.
 //! - [`headers`]: `RateLimit-*`, `Retry-After` and problem bodies, as pure
 //!   functions of a decision.
+//! - [`hotkeys`]: which keys are hot: a bounded heavy-hitter detector over
+//!   the checks, exported as the top keys with their slot, node and share.
 //! - [`failover`]: store wrappers for when the shared store misbehaves: a
 //!   deadline per call, a circuit breaker, and fail-open, fail-closed or a
 //!   bounded local share.
@@ -37,6 +39,7 @@ pub mod clock;
 pub mod config;
 pub mod failover;
 pub mod headers;
+pub mod hotkeys;
 pub mod identity;
 pub mod key;
 pub mod limiter;

@@ -8,6 +8,7 @@
 
 use crate::algorithm::{Decision, Limit};
 use crate::clock::Clock;
+use crate::hotkeys::HotKeys;
 use crate::identity::{Identifier, IdentityError, KeyHasher, KeyKind};
 use crate::metrics as m;
 use crate::policy::{Policies, RoutePolicy};
@@ -77,6 +78,7 @@ pub struct Limiter {
     store: Arc<dyn Store>,
     clock: Arc<dyn Clock>,
     near_limit_fraction: f64,
+    hot_keys: Option<HotKeys>,
 }
 
 /// Counts a check in `ratelimit_checks_in_flight` while it lives (a check
@@ -116,6 +118,21 @@ impl Limiter {
             store,
             clock,
             near_limit_fraction,
+            hot_keys: None,
+        }
+    }
+
+    /// The same limiter offering every check to a hot-key detector.
+    pub fn with_hot_keys(self, hot_keys: Option<HotKeys>) -> Self {
+        Self { hot_keys, ..self }
+    }
+
+    /// The hot keys of the last complete window, in the Prometheus text
+    /// format (empty without a detector), each with the node serving it.
+    pub fn render_hot_keys(&self) -> String {
+        match &self.hot_keys {
+            Some(hot) => hot.render(self.clock.now(), &|slot| self.store.slot_owner(slot)),
+            None => String::new(),
         }
     }
 
@@ -162,6 +179,9 @@ impl Limiter {
         headers: &HeaderMap,
         peer: Option<IpAddr>,
     ) -> Outcome {
+        if self.identifier.ignores_forwarding(headers, peer) {
+            metrics::counter!(m::UNTRUSTED_FORWARDED_TOTAL).increment(1);
+        }
         let (identity, kind) = match self.identifier.identify(headers, peer) {
             Ok(found) => found,
             Err(e) => {
@@ -173,8 +193,8 @@ impl Limiter {
             return Outcome::Unlimited;
         };
         let key = self.hasher.bucket_key(&policy.name, &identity);
-        let check =
-            Check::new(key, limit, policy.cost, self.clock.now()).on_failure(policy.failure_mode);
+        let now = self.clock.now();
+        let check = Check::new(key, limit, policy.cost, now).on_failure(policy.failure_mode);
         // Never the key itself, nor the address or credential behind it.
         let span = tracing::info_span!(
             target: TARGET,
@@ -204,6 +224,16 @@ impl Limiter {
         )
         .record(elapsed);
         span.record("ratelimit.source", source);
+        if let Some(hot) = &self.hot_keys {
+            let store_call = matches!(
+                &result,
+                Ok(Checked {
+                    source: Source::Redis | Source::Memory,
+                    ..
+                })
+            );
+            hot.record(now, key, &policy.name, kind, &identity, store_call);
+        }
         let count = |verdict: &'static str| {
             span.record("ratelimit.decision", verdict);
             metrics::counter!(

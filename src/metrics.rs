@@ -69,6 +69,24 @@ pub const STORE_ERRORS_TOTAL: &str = "ratelimit_store_errors_total";
 /// Counter: in-memory buckets dropped. Labels: `reason`: `idle` (full again,
 /// exact) or `pressure` (still refilling: `max_keys` is too small).
 pub const MEMORY_EVICTIONS_TOTAL: &str = "ratelimit_memory_evictions_total";
+/// Counter: limited requests that carried `X-Forwarded-For` from a peer
+/// that is not a trusted proxy, so the header was ignored and the peer's
+/// address keyed the request. A client trying to spoof does this now and
+/// then; nearly every request doing it means the proxy in front is not
+/// (or no longer) trusted: every client behind it shares one bucket.
+pub const UNTRUSTED_FORWARDED_TOTAL: &str = "ratelimit_untrusted_forwarded_total";
+/// Gauge, rendered at scrape time by `hotkeys`: checks per second of one of
+/// this instance's hottest keys, over the last complete window. Labels:
+/// `policy`, `key_kind`, `key` (tenant id, address or `h:` hash), `slot`,
+/// `node`. At most `hot_keys.top` series.
+pub const HOT_KEY_CHECKS_PER_SECOND: &str = "ratelimit_hot_key_checks_per_second";
+/// Gauge, like `HOT_KEY_CHECKS_PER_SECOND`: the key's calls to the backend
+/// store (Redis, or the memory store) per second; checks answered by a
+/// fallback or a cache are not calls.
+pub const HOT_KEY_STORE_CALLS_PER_SECOND: &str = "ratelimit_hot_key_store_calls_per_second";
+/// Gauge, like `HOT_KEY_CHECKS_PER_SECOND`: the key's share (0 to 1) of
+/// this instance's store calls to the node serving its slot.
+pub const HOT_KEY_NODE_SHARE: &str = "ratelimit_hot_key_node_share";
 /// Gauge, always 1: which instance and backend this is. Labels:
 /// `instance_id` (the configured id; `instance` is Prometheus's own target
 /// label), `backend`.
@@ -91,6 +109,10 @@ pub const ALL: &[&str] = &[
     IDENTITY_ERRORS_TOTAL,
     STORE_ERRORS_TOTAL,
     MEMORY_EVICTIONS_TOTAL,
+    UNTRUSTED_FORWARDED_TOTAL,
+    HOT_KEY_CHECKS_PER_SECOND,
+    HOT_KEY_STORE_CALLS_PER_SECOND,
+    HOT_KEY_NODE_SHARE,
     INSTANCE_INFO,
 ];
 
@@ -160,6 +182,10 @@ fn describe() {
     metrics::describe_counter!(
         MEMORY_EVICTIONS_TOTAL,
         "In-memory buckets dropped: idle (exact) or pressure (max_keys too small)"
+    );
+    metrics::describe_counter!(
+        UNTRUSTED_FORWARDED_TOTAL,
+        "Limited requests with X-Forwarded-For from a peer that is not a trusted proxy (header ignored)"
     );
     metrics::describe_gauge!(INSTANCE_INFO, "Instance id and backend, value 1");
     metrics::describe_gauge!(

@@ -6,6 +6,7 @@ use crate::api::{AppState, Health, app};
 use crate::clock::{Clock, FastClock};
 use crate::config::Config;
 use crate::failover::{BreakerHandle, Deadline, Failover, LocalShare};
+use crate::hotkeys::HotKeys;
 use crate::identity::{ApiKeys, Identifier, KeyHasher};
 use crate::limiter::Limiter;
 use crate::metrics as m;
@@ -99,6 +100,7 @@ pub fn build_limiter(config: &Config, store: Arc<dyn Store>, clock: Arc<dyn Cloc
         clock,
         config.near_limit_fraction,
     )
+    .with_hot_keys(HotKeys::new(config.hot_keys))
 }
 
 /// Builds the shared state of one instance from validated config.

@@ -23,6 +23,7 @@ const LAYERS: &[(&str, u32)] = &[
     // Wrappers and data built on stores.
     ("failover", 3),
     ("policy", 3),
+    ("hotkeys", 3),
     ("limiter", 4),
     ("config", 4),
     ("middleware", 5),

@@ -310,6 +310,8 @@ async fn scraped() -> Scraped {
                 "lua",
             ])
             .args(["--redis-url", &redis.url(), "--instance-id", "api-1"])
+            // Hot keys appear once a detector window is complete.
+            .args(["--hot-keys-window", "1s"])
             .arg("--config")
             .arg(&config)
             .env("RUST_LOG", "warn")
@@ -328,8 +330,9 @@ async fn scraped() -> Scraped {
              rule_files:\n  - {}\n\
              scrape_configs:\n\
              \x20 - job_name: ratelimiter\n    static_configs:\n      - targets: ['127.0.0.1:{api_port}']\n\
-             \x20 - job_name: redis\n    static_configs:\n      - targets: ['127.0.0.1:{exporter_port}']\n",
-            repo("prometheus/rules/ratelimiter.yml").display()
+             \x20 - job_name: redis\n    static_configs:\n      - targets: ['127.0.0.1:{exporter_port}']\n        labels: {{node: '127.0.0.1:{redis_port}'}}\n",
+            repo("prometheus/rules/ratelimiter.yml").display(),
+            redis_port = redis.port,
         ),
     )
     .unwrap();
@@ -358,7 +361,12 @@ async fn scraped() -> Scraped {
                 .header("x-api-key", "key-a")
                 .send()
                 .await;
-            let _ = http.get(format!("{base}/api/items/1")).send().await;
+            // Anonymous, through a "proxy" the instance does not trust.
+            let _ = http
+                .get(format!("{base}/api/items/1"))
+                .header("x-forwarded-for", "198.51.100.7")
+                .send()
+                .await;
             let _ = http
                 .post(format!("{base}/api/orders"))
                 .header("content-type", "application/json")

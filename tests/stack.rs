@@ -255,15 +255,24 @@ fn compose_nginx_prometheus_and_grafana_agree() {
     let prometheus: Value = serde_yaml::from_str(&read("prometheus/prometheus.yml")).unwrap();
     let mut targets = 0;
     for job in prometheus["scrape_configs"].as_sequence().unwrap() {
-        for target in job["static_configs"][0]["targets"].as_sequence().unwrap() {
-            let target = text(target);
-            let (host, port) = target.split_once(':').unwrap();
-            assert_eq!(
-                listens.get(host).map(String::as_str),
-                Some(port),
-                "{target}"
-            );
-            targets += 1;
+        for group in job["static_configs"].as_sequence().unwrap() {
+            for target in group["targets"].as_sequence().unwrap() {
+                let target = text(target);
+                let (host, port) = target.split_once(':').unwrap();
+                assert_eq!(
+                    listens.get(host).map(String::as_str),
+                    Some(port),
+                    "{target}"
+                );
+                targets += 1;
+                // An exporter's `node` is its Redis node's announced address,
+                // as the limiter's per-node metrics name it.
+                if let Some(i) = host.strip_prefix("redis-exporter-") {
+                    let redis = service(&compose, &format!("redis-{i}"));
+                    let ip = text(&redis["networks"]["stack"]["ipv4_address"]);
+                    assert_eq!(text(&group["labels"]["node"]), format!("{ip}:6379"));
+                }
+            }
         }
     }
     assert_eq!(targets, 7, "3 instances, 3 exporters, Prometheus itself");
@@ -453,7 +462,8 @@ async fn the_native_stack_runs_the_compose_topology_end_to_end() {
             .send()
             .await
             .unwrap();
-        assert_eq!(r.status(), 200);
+        let status = r.status();
+        assert_eq!(status, 200, "tenant {tenant}: {}", r.text().await.unwrap());
     }
     for node in 0..3 {
         let keys = testkit::redis_cli(stack.redis + node, &["dbsize"]).unwrap();

@@ -6,6 +6,7 @@
 //! file. Each help text quotes the default from [`super::file::Settings`].
 
 use super::file::Settings;
+use crate::hotkeys::AddressDisplay;
 use crate::store::{Backend, FailureMode};
 use crate::telemetry::{OtlpProtocol, SamplerKind};
 use clap::{Args, Parser};
@@ -81,6 +82,8 @@ pub struct Cli {
     pub failure: FailureFlags,
     #[command(flatten)]
     pub tracing: TracingFlags,
+    #[command(flatten)]
+    pub hot_keys: HotKeyFlags,
 }
 
 /// `[memory]` flags.
@@ -176,4 +179,21 @@ pub struct TracingFlags {
     #[arg(long = "trace-export-timeout", env = "RL_TRACE_EXPORT_TIMEOUT", help = help("The longest one export may take", "tracing.export_timeout"))]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub export_timeout: Option<String>,
+}
+
+/// `[hot_keys]` flags.
+#[derive(Debug, Clone, Default, Args, Serialize)]
+pub struct HotKeyFlags {
+    #[arg(long = "hot-keys-tracked", env = "RL_HOT_KEYS_TRACKED", help = help("Keys the hot-key detector tracks at once (0: off)", "hot_keys.tracked"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tracked: Option<usize>,
+    #[arg(long = "hot-keys-top", env = "RL_HOT_KEYS_TOP", help = help("Hot keys exported in /metrics", "hot_keys.top"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub top: Option<usize>,
+    #[arg(long = "hot-keys-window", env = "RL_HOT_KEYS_WINDOW", help = help("The hot-key detector's window", "hot_keys.window"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub window: Option<String>,
+    #[arg(long = "hot-keys-addresses", env = "RL_HOT_KEYS_ADDRESSES", value_enum, help = help("Hot addresses in the key label: show them, or a short hash", "hot_keys.addresses"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub addresses: Option<AddressDisplay>,
 }

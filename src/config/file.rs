@@ -8,6 +8,7 @@
 //! limit in force.
 
 use crate::algorithm::Algorithm;
+use crate::hotkeys::AddressDisplay;
 use crate::store::{Backend, FailureMode};
 use crate::telemetry::{OtlpProtocol, SamplerKind};
 use serde::{Deserialize, Serialize};
@@ -42,6 +43,8 @@ pub struct Settings {
     pub failure: FailureFile,
     /// `[tracing]`.
     pub tracing: TracingFile,
+    /// `[hot_keys]`.
+    pub hot_keys: HotKeysFile,
     /// `[[api_keys]]`.
     pub api_keys: Vec<ApiKeyFile>,
     /// `[[policies]]`.
@@ -116,6 +119,20 @@ pub struct TracingFile {
     pub batch_delay: String,
     /// The longest one export may take.
     pub export_timeout: String,
+}
+
+/// `[hot_keys]`: the heavy-hitter detector (see [`crate::hotkeys`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HotKeysFile {
+    /// Keys tracked at once per window (0 turns detection off).
+    pub tracked: usize,
+    /// Keys exported in `/metrics`.
+    pub top: usize,
+    /// The length of one window.
+    pub window: String,
+    /// `show` addresses in the `key` label, or `hash` them.
+    pub addresses: AddressDisplay,
 }
 
 /// One `[[api_keys]]` entry.
@@ -223,6 +240,14 @@ impl Default for Settings {
                 queue_size: 2048,
                 batch_delay: "1s".into(),
                 export_timeout: "5s".into(),
+            },
+            hot_keys: HotKeysFile {
+                // Every key above 1/128 of the checks is certainly tracked;
+                // a scan of 128 counts per new key.
+                tracked: 128,
+                top: 5,
+                window: "10s".into(),
+                addresses: AddressDisplay::Show,
             },
             api_keys: Vec::new(),
             // Without policies in the file: every /api/ route, 100 at 10/s.

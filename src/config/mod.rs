@@ -37,6 +37,10 @@
 //! | `tracing.queue_size` | `--trace-queue-size` / `RL_TRACE_QUEUE_SIZE` | `2048` |
 //! | `tracing.batch_delay` | `--trace-batch-delay` / `RL_TRACE_BATCH_DELAY` | `1s` |
 //! | `tracing.export_timeout` | `--trace-export-timeout` / `RL_TRACE_EXPORT_TIMEOUT` | `5s` |
+//! | `hot_keys.tracked` | `--hot-keys-tracked` / `RL_HOT_KEYS_TRACKED` | `128` (0: no detection) |
+//! | `hot_keys.top` | `--hot-keys-top` / `RL_HOT_KEYS_TOP` | `5` |
+//! | `hot_keys.window` | `--hot-keys-window` / `RL_HOT_KEYS_WINDOW` | `10s` |
+//! | `hot_keys.addresses` | `--hot-keys-addresses` / `RL_HOT_KEYS_ADDRESSES` | `show` (or `hash`) |
 //! | `[[api_keys]]` | file only | none |
 //! | `[[policies]]` | file only | one policy `api`: route `/api/`, burst 100, 10/s |
 //!
@@ -62,10 +66,11 @@ pub mod file;
 mod parse;
 mod validate;
 
-pub use cli::{Cli, FailureFlags, MemoryFlags, RedisFlags, TracingFlags, default_of};
+pub use cli::{Cli, FailureFlags, HotKeyFlags, MemoryFlags, RedisFlags, TracingFlags, default_of};
 pub use parse::parse_period;
 
 use crate::failover::FailoverSettings;
+use crate::hotkeys::HotKeySettings;
 use crate::policy::Policy;
 use crate::store::Backend;
 use crate::store::redis::RedisSettings;
@@ -122,6 +127,8 @@ pub struct Config {
     pub failover: FailoverSettings,
     /// Trace export.
     pub tracing: TracingSettings,
+    /// The hot-key detector.
+    pub hot_keys: HotKeySettings,
     /// Verified API keys.
     pub api_keys: Vec<ApiKeyConfig>,
     /// Route policies.

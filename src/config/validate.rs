@@ -4,12 +4,14 @@
 //! support of the backend, the local share of the failure policy).
 
 use super::file::{
-    ApiKeyFile, FailureFile, LimitFile, MemoryFile, PolicyFile, RedisFile, Settings, TracingFile,
+    ApiKeyFile, FailureFile, HotKeysFile, LimitFile, MemoryFile, PolicyFile, RedisFile, Settings,
+    TracingFile,
 };
 use super::parse::{default_instance_id, parse_hex32, parse_period, parse_proxy, valid_name};
 use super::{ApiKeyConfig, Config, ConfigError, MemoryConfig};
 use crate::algorithm::{Algorithm, Limit, LimitError};
 use crate::failover::{FailoverSettings, try_share};
+use crate::hotkeys::HotKeySettings;
 use crate::identity::{ApiKeys, valid_key};
 use crate::policy::Policy;
 use crate::store::Backend;
@@ -88,6 +90,7 @@ pub(super) fn validate(s: Settings) -> Result<Config, ConfigError> {
     let redis = redis(s.redis)?;
     let failover = failover(s.failure)?;
     let tracing = tracing(s.tracing)?;
+    let hot_keys = hot_keys(s.hot_keys)?;
     let api_keys = api_keys(s.api_keys)?;
     let policies = policies(s.policies, backend)?;
     // Every policy's local share must be a limit the service can keep.
@@ -118,8 +121,49 @@ pub(super) fn validate(s: Settings) -> Result<Config, ConfigError> {
         redis,
         failover,
         tracing,
+        hot_keys,
         api_keys,
         policies,
+    })
+}
+
+/// Most keys the detector may track: a new key scans them all.
+const MAX_TRACKED: usize = 4096;
+
+fn hot_keys(h: HotKeysFile) -> Result<HotKeySettings, ConfigError> {
+    if h.tracked > MAX_TRACKED {
+        return Err(invalid(
+            "hot_keys.tracked",
+            format!("must be at most {MAX_TRACKED} (each new key scans every tracked one)"),
+        ));
+    }
+    if h.top > h.tracked {
+        return Err(invalid(
+            "hot_keys.top",
+            format!(
+                "must be at most hot_keys.tracked ({}): only tracked keys can be exported",
+                h.tracked
+            ),
+        ));
+    }
+    if h.top > 100 {
+        return Err(invalid(
+            "hot_keys.top",
+            "must be at most 100: each exported key is a series in every scrape",
+        ));
+    }
+    let window = duration("hot_keys.window", &h.window)?;
+    if !(Duration::from_secs(1)..=Duration::from_secs(600)).contains(&window) {
+        return Err(invalid(
+            "hot_keys.window",
+            "must be from 1s to 10m: shorter is noise, longer hides a hot key for as long",
+        ));
+    }
+    Ok(HotKeySettings {
+        tracked: h.tracked,
+        top: h.top,
+        window,
+        addresses: h.addresses,
     })
 }
 

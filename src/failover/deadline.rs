@@ -8,6 +8,7 @@
 //! timeouts are.
 
 use crate::store::{BoxFuture, Check, Checked, Store, StoreError};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Bounds every call to `inner` by `deadline`.
@@ -41,5 +42,9 @@ impl<S: Store> Store for Deadline<S> {
 
     fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         self.inner.ready()
+    }
+
+    fn slot_owner(&self, slot: u16) -> Option<Arc<str>> {
+        self.inner.slot_owner(slot)
     }
 }

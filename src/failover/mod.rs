@@ -242,6 +242,10 @@ impl<S: Store> Store for Failover<S> {
     fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         self.inner.ready()
     }
+
+    fn slot_owner(&self, slot: u16) -> Option<Arc<str>> {
+        self.inner.slot_owner(slot)
+    }
 }
 
 fn record(t: Transition) {

@@ -122,6 +122,18 @@ fn forwarded_for_is_ignored_from_untrusted_peers() {
 }
 
 #[test]
+fn forwarding_from_an_untrusted_peer_is_what_is_signalled() {
+    let id = identifier(&["10.0.0.0/8"]);
+    let forwarded = headers(&[("x-forwarded-for", "1.2.3.4")]);
+    assert!(id.ignores_forwarding(&forwarded, Some(ip("203.0.113.9"))));
+    // An IPv4-mapped proxy address is the proxy.
+    assert!(!id.ignores_forwarding(&forwarded, Some(ip("::ffff:10.1.2.3"))));
+    assert!(!id.ignores_forwarding(&forwarded, Some(ip("10.1.2.3"))));
+    assert!(!id.ignores_forwarding(&HeaderMap::new(), Some(ip("203.0.113.9"))));
+    assert!(!id.ignores_forwarding(&forwarded, None));
+}
+
+#[test]
 fn rightmost_untrusted_forwarded_for_entry_is_the_client() {
     let id = identifier(&["10.0.0.0/8", "127.0.0.1/32"]);
     // client 198.51.100.7 spoofs 1.1.1.1, then goes through 10.0.0.2 to 127.0.0.1.

@@ -8,6 +8,7 @@
 
 use super::{BoxFuture, Check, Checked, Store, StoreError};
 use crate::metrics as m;
+use std::sync::Arc;
 
 /// Counts every error of the store it wraps in
 /// `ratelimit_store_errors_total{backend, kind}`.
@@ -46,5 +47,9 @@ impl<S: Store> Store for Counted<S> {
 
     fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         self.inner.ready()
+    }
+
+    fn slot_owner(&self, slot: u16) -> Option<Arc<str>> {
+        self.inner.slot_owner(slot)
     }
 }

@@ -175,6 +175,14 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(std::future::ready(Ok(())))
     }
+
+    /// The node serving cluster `slot` now (`host:port`), for a store that
+    /// keeps its state on Redis nodes; `None` for one that keeps it in this
+    /// process. Wrappers answer their inner store's.
+    fn slot_owner(&self, slot: u16) -> Option<Arc<str>> {
+        let _ = slot;
+        None
+    }
 }
 
 impl<S: Store + ?Sized> Store for Arc<S> {
@@ -188,6 +196,10 @@ impl<S: Store + ?Sized> Store for Arc<S> {
 
     fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         (**self).ready()
+    }
+
+    fn slot_owner(&self, slot: u16) -> Option<Arc<str>> {
+        (**self).slot_owner(slot)
     }
 }
 

@@ -10,6 +10,7 @@ use crate::algorithm::{Algorithm, Decision};
 use crate::key::BucketKey;
 use crate::store::{BoxFuture, Check, Checked, Source, Store, StoreError};
 use redis::{RedisError, Script};
+use std::sync::Arc;
 use std::time::Duration;
 use tracing::Instrument;
 
@@ -129,6 +130,10 @@ impl Store for LuaStore {
 
     fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(self.connection.ping())
+    }
+
+    fn slot_owner(&self, slot: u16) -> Option<Arc<str>> {
+        Some(Arc::clone(&self.connection.topology().owner(slot).label))
     }
 }
 

@@ -269,6 +269,18 @@ mod tests {
     }
 
     #[test]
+    fn every_key_of_a_bucket_is_in_the_buckets_slot() {
+        for bucket in [BucketKey(0xabc), BucketKey(u128::MAX / 3)] {
+            for algorithm in Algorithm::ALL {
+                // (Prefixes are validated free of braces, which would move
+                // the hash tag.)
+                let name = redis_key("rl:", algorithm, bucket);
+                assert_eq!(topology::slot(name.as_bytes()), bucket.slot(), "{name}");
+            }
+        }
+    }
+
+    #[test]
     fn connections_turn_nagle_off() {
         assert!(tcp_settings().nodelay());
         let info = connection_info("redis://127.0.0.1:6380/0").unwrap();

@@ -14,6 +14,7 @@ use crate::clock::Micros;
 use crate::key::BucketKey;
 use crate::store::{BoxFuture, Check, Checked, Source, Store, StoreError};
 use redis::RedisError;
+use std::sync::Arc;
 use std::time::Duration;
 use tracing::Instrument;
 
@@ -165,6 +166,10 @@ impl Store for NaiveStore {
 
     fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(self.connection.ping())
+    }
+
+    fn slot_owner(&self, slot: u16) -> Option<Arc<str>> {
+        Some(Arc::clone(&self.connection.topology().owner(slot).label))
     }
 }
 

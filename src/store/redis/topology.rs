@@ -16,7 +16,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 
 /// Slots in a Redis Cluster.
-pub const SLOTS: usize = 16_384;
+pub const SLOTS: usize = crate::key::SLOTS;
 
 /// A node, as labels and span attributes name it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,22 +48,6 @@ impl Node {
     }
 }
 
-/// CRC16 (XMODEM: polynomial 0x1021, initial 0), as Redis Cluster hashes.
-fn crc16(bytes: &[u8]) -> u16 {
-    let mut crc: u16 = 0;
-    for &b in bytes {
-        crc ^= u16::from(b) << 8;
-        for _ in 0..8 {
-            crc = if crc & 0x8000 != 0 {
-                (crc << 1) ^ 0x1021
-            } else {
-                crc << 1
-            };
-        }
-    }
-    crc
-}
-
 /// The cluster slot of `key`: the CRC16 of its hash tag (the first
 /// `{...}` with something inside) or of the whole key, mod 16384.
 pub fn slot(key: &[u8]) -> u16 {
@@ -76,7 +60,7 @@ pub fn slot(key: &[u8]) -> u16 {
             (close > 0).then(|| &rest[..close])
         })
         .unwrap_or(key);
-    crc16(tagged) % SLOTS as u16
+    crate::key::cluster_slot(tagged)
 }
 
 /// Masters by slot.
@@ -193,17 +177,26 @@ impl Topology {
     pub fn node(&self, key: &[u8]) -> (Arc<Node>, Option<u16>) {
         match self {
             Topology::Standalone(node) => (Arc::clone(node), None),
-            Topology::Cluster(cluster) => {
+            Topology::Cluster(_) => {
                 let slot = slot(key);
+                (self.owner(slot), Some(slot))
+            }
+        }
+    }
+
+    /// The node serving `slot` (a standalone server serves every slot).
+    pub fn owner(&self, slot: u16) -> Arc<Node> {
+        match self {
+            Topology::Standalone(node) => Arc::clone(node),
+            Topology::Cluster(cluster) => {
                 let map = cluster
                     .map
                     .read()
                     .unwrap_or_else(std::sync::PoisonError::into_inner);
-                let node = map
-                    .nodes
-                    .get(usize::from(map.owner[usize::from(slot)]))
-                    .map_or_else(|| Arc::clone(&cluster.unknown), Arc::clone);
-                (node, Some(slot))
+                map.owner
+                    .get(usize::from(slot))
+                    .and_then(|&at| map.nodes.get(usize::from(at)))
+                    .map_or_else(|| Arc::clone(&cluster.unknown), Arc::clone)
             }
         }
     }
@@ -257,14 +250,14 @@ mod tests {
 
     #[test]
     fn slots_follow_redis_cluster_hashing() {
-        // The reference value of the Redis Cluster specification.
-        assert_eq!(crc16(b"123456789"), 0x31C3);
-        assert_eq!(slot(b"123456789"), 12739, "0x31C3 is below 16384");
+        // The reference value of the Redis Cluster specification:
+        // CRC16 0x31C3, below 16384.
+        assert_eq!(slot(b"123456789"), 12739);
         // Only the hash tag counts, so a bucket's keys share a slot.
         assert_eq!(slot(b"rl:{abc}"), slot(b"abc"));
         assert_eq!(slot(b"rl:gcra:{abc}"), slot(b"rl:{abc}"));
         // An empty tag is no tag.
-        assert_eq!(slot(b"a{}b"), crc16(b"a{}b") % 16384);
+        assert_eq!(slot(b"a{}b"), crate::key::cluster_slot(b"a{}b"));
     }
 
     #[test]

@@ -1,0 +1,188 @@
+//! The hot-key detector on a real Redis Cluster, read from `/metrics` as
+//! Prometheus reads it: the hottest key named by tenant (or address), with
+//! the slot its Redis key really hashes to, the node that really serves that
+//! slot, and its share of that node's calls; and the signal for a proxy
+//! that is not trusted.
+
+mod support;
+
+use ratelimiter::clock::ManualClock;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+use support::{TestServer, client};
+use testkit::RedisCluster;
+
+const T0: u64 = 1_800_000_000_000_000;
+
+/// Each sample of `name`: its labels and value.
+fn samples(text: &str, name: &str) -> Vec<(BTreeMap<String, String>, f64)> {
+    text.lines()
+        .filter_map(|line| {
+            let rest = line.strip_prefix(name)?.strip_prefix('{')?;
+            let (labels, value) = rest.rsplit_once("} ")?;
+            let labels = labels
+                .split("\",")
+                .map(|pair| {
+                    let (k, v) = pair.split_once("=\"").unwrap();
+                    (k.to_owned(), v.trim_end_matches('"').to_owned())
+                })
+                .collect();
+            Some((labels, value.parse().unwrap()))
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_hot_key_is_named_with_the_slot_and_node_that_really_hold_it() {
+    let cluster = RedisCluster::start().unwrap();
+    let seeds = cluster
+        .urls()
+        .iter()
+        .map(|u| format!("{u:?}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let clock = Arc::new(ManualClock::new(T0));
+    let config = format!(
+        r#"
+        backend = "lua"
+        key_secret = "hot-keys-test-secret"
+        [redis]
+        cluster = [{seeds}]
+        prefix = "hot:"
+        topology_refresh = "100ms"
+        [hot_keys]
+        tracked = 16
+        top = 3
+        [[api_keys]]
+        id = "tenant-hot"
+        key = "key-hot"
+        [[api_keys]]
+        id = "tenant-cold"
+        key = "key-cold"
+        [[policies]]
+        name = "api"
+        route = "/api/"
+        burst = 1000
+        rate = 1000
+        anonymous = {{ burst = 1000, rate = 1000 }}
+        "#
+    );
+    let server = TestServer::start(&config, clock.clone()).await;
+    let http = client();
+    // Until the slot map has been read, a node is `unknown`.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut untrusted_before = None;
+    for (key, n) in [("key-hot", 60), ("key-cold", 10), ("", 5)] {
+        for _ in 0..n {
+            let headers: &[(&str, &str)] = if key.is_empty() {
+                // Not a trusted proxy (none is): the header is ignored.
+                &[("x-forwarded-for", "198.51.100.1")]
+            } else {
+                &[("x-api-key", key)]
+            };
+            let r = server.get(&http, "/api/items", headers).await;
+            assert_eq!(r.status(), 200);
+        }
+        if untrusted_before.is_none() {
+            let text = server
+                .get(&http, "/metrics", &[])
+                .await
+                .text()
+                .await
+                .unwrap();
+            untrusted_before = Some(support::metric(
+                &text,
+                "ratelimit_untrusted_forwarded_total",
+                &[],
+            ));
+        }
+    }
+    // Still inside the first window: nothing complete to show yet.
+    let text = server
+        .get(&http, "/metrics", &[])
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        samples(&text, "ratelimit_hot_key_checks_per_second").is_empty(),
+        "{text}"
+    );
+    clock.advance(10_000_000);
+    let text = server
+        .get(&http, "/metrics", &[])
+        .await
+        .text()
+        .await
+        .unwrap();
+
+    assert_eq!(
+        support::metric(&text, "ratelimit_untrusted_forwarded_total", &[])
+            - untrusted_before.unwrap(),
+        5.0,
+        "every anonymous request sent X-Forwarded-For from an untrusted peer"
+    );
+
+    let checks = samples(&text, "ratelimit_hot_key_checks_per_second");
+    let names: Vec<&str> = checks.iter().map(|(l, _)| l["key"].as_str()).collect();
+    assert_eq!(names, ["tenant-hot", "tenant-cold", "127.0.0.1"], "{text}");
+    let rates: Vec<f64> = checks.iter().map(|(_, v)| *v).collect();
+    assert_eq!(rates, [6.0, 1.0, 0.5], "per second over the 10 s window");
+    let kinds: Vec<&str> = checks.iter().map(|(l, _)| l["key_kind"].as_str()).collect();
+    assert_eq!(kinds, ["api_key", "api_key", "ip"]);
+
+    // The slot labels are the slots the script's keys really live in, and
+    // the node labels the nodes that really serve them.
+    let mut real_slots = BTreeSet::new();
+    for node in &cluster.nodes {
+        let keys = node.cli(&["keys", "hot:*"]).unwrap();
+        for key in keys.lines().map(str::trim).filter(|k| !k.is_empty()) {
+            real_slots.insert(cluster.keyslot(key).unwrap());
+        }
+    }
+    let labelled: BTreeSet<u16> = checks
+        .iter()
+        .map(|(l, _)| l["slot"].parse().unwrap())
+        .collect();
+    assert_eq!(labelled, real_slots, "{text}");
+    let mut calls_by_node: BTreeMap<String, f64> = BTreeMap::new();
+    for (labels, rate) in &checks {
+        let slot: u16 = labels["slot"].parse().unwrap();
+        let owner = &cluster.nodes[cluster.owner(slot).unwrap()];
+        assert_eq!(
+            labels["node"],
+            format!("127.0.0.1:{}", owner.port),
+            "{text}"
+        );
+        *calls_by_node.entry(labels["node"].clone()).or_default() += rate;
+    }
+
+    // Every check went to Redis: calls equal checks, and each key's share
+    // is its calls over all calls to its node.
+    let calls = samples(&text, "ratelimit_hot_key_store_calls_per_second");
+    assert_eq!(
+        calls.iter().map(|(_, v)| *v).collect::<Vec<_>>(),
+        rates,
+        "{text}"
+    );
+    for (labels, share) in samples(&text, "ratelimit_hot_key_node_share") {
+        let (_, rate) = checks
+            .iter()
+            .find(|(l, _)| l["key"] == labels["key"])
+            .unwrap();
+        let want = rate / calls_by_node[&labels["node"]];
+        assert!((share - want).abs() < 1e-9, "{labels:?}: {share} != {want}");
+    }
+
+    // A window later with no traffic, the list is empty again.
+    clock.advance(10_000_000);
+    let text = server
+        .get(&http, "/metrics", &[])
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert!(samples(&text, "ratelimit_hot_key_checks_per_second").is_empty());
+    server.shutdown().await;
+}
