@@ -5,7 +5,7 @@
 //! | `GET /api/items` | lists the catalogue | policy matching `/api/items` |
 //! | `GET /api/items/{id}` | one item, or 404 | policy matching `/api/items/{id}` |
 //! | `POST /api/orders` | places an order (JSON `{"item_id": 1, "quantity": 2}`) | policy matching `/api/orders` |
-//! | `GET /api/status` | instance id and backend | policy matching `/api/status` |
+//! | `GET /api/status` | instance id, backend, config generation, trusted proxies, policies | policy matching `/api/status` |
 //! | `GET /healthz` | liveness: the process answers | never |
 //! | `GET /readyz` | readiness: `ready`, or `degraded` while Redis is away (503 only if the failure mode is `closed`: otherwise the instance still serves, by its local share or open, and pulling every instance out of the balancer would turn a Redis blip into an outage) | never |
 //! | `GET /metrics` | Prometheus text | never |
@@ -15,7 +15,7 @@
 
 use crate::failover::{BreakerHandle, BreakerState};
 use crate::headers::Problem;
-use crate::limiter::Limiter;
+use crate::limiter::CurrentLimiter;
 use crate::middleware::RateLimitLayer;
 use crate::store::{FailureMode, Store};
 use crate::telemetry;
@@ -48,8 +48,8 @@ pub struct Health {
 /// What handlers share.
 #[derive(Debug, Clone)]
 pub struct AppState {
-    /// The limiter applied to `/api/` routes.
-    pub limiter: Arc<Limiter>,
+    /// The limiter applied to `/api/` routes (replaced on a reload).
+    pub limiter: Arc<CurrentLimiter>,
     /// What `/readyz` reports.
     pub health: Health,
     /// Renders `/metrics`.
@@ -62,7 +62,7 @@ pub struct AppState {
 impl AppState {
     /// State for one instance.
     pub fn new(
-        limiter: Arc<Limiter>,
+        limiter: Arc<CurrentLimiter>,
         health: Health,
         metrics: PrometheusHandle,
         instance_id: &str,
@@ -187,9 +187,13 @@ async fn create_order(
 }
 
 async fn status(State(state): State<AppState>) -> Json<serde_json::Value> {
+    let limiter = state.limiter.get();
     Json(serde_json::json!({
         "instance": &*state.instance_id,
-        "backend": state.limiter.backend(),
+        "backend": limiter.backend(),
+        "config_generation": state.limiter.generation(),
+        "trusted_proxies": limiter.trusted_proxies().iter().map(ToString::to_string).collect::<Vec<_>>(),
+        "policies": limiter.policy_names(),
     }))
 }
 
@@ -282,7 +286,7 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     // The hot keys are rendered now, not kept by the recorder: a key that
     // cooled down must leave the page, and the recorder never forgets a
     // series.
-    let hot = state.limiter.render_hot_keys();
+    let hot = state.limiter.get().render_hot_keys();
     if !hot.is_empty() {
         if !text.is_empty() && !text.ends_with('\n') {
             text.push('\n');

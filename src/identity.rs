@@ -164,6 +164,11 @@ impl Identifier {
         Ok((Identity::Ip(self.mask(ip)), kind))
     }
 
+    /// The trusted proxy ranges.
+    pub fn trusted_proxies(&self) -> &[IpNet] {
+        &self.trusted_proxies
+    }
+
     /// Whether `peer` sent `X-Forwarded-For` without being a trusted proxy,
     /// so the header is ignored. Now and then, a client trying to choose its
     /// own bucket; on nearly every request, a proxy that should be trusted

@@ -16,7 +16,8 @@ use crate::store::{Check, Checked, Source, Store, StoreError};
 use crate::telemetry::TARGET;
 use http::{HeaderMap, Method};
 use std::net::IpAddr;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::Instant;
 use tracing::Instrument;
 
@@ -78,7 +79,55 @@ pub struct Limiter {
     store: Arc<dyn Store>,
     clock: Arc<dyn Clock>,
     near_limit_fraction: f64,
-    hot_keys: Option<HotKeys>,
+    hot_keys: Option<Arc<HotKeys>>,
+}
+
+/// The limiter in force, replaced whole when the config is reloaded.
+///
+/// A request takes the current limiter once and keeps it to the end, so a
+/// reload never mixes two configs in one decision. The store stack under
+/// the limiter is shared by every generation: buckets, the local share and
+/// the breaker carry on across a reload.
+#[derive(Debug)]
+pub struct CurrentLimiter {
+    // A std RwLock around an Arc: a reader holds the lock only to clone
+    // the Arc (nothing awaits under it), and writers come once per reload.
+    current: RwLock<Arc<Limiter>>,
+    generation: AtomicU64,
+}
+
+impl CurrentLimiter {
+    /// `limiter`, as generation 1.
+    pub fn new(limiter: Limiter) -> Self {
+        Self {
+            current: RwLock::new(Arc::new(limiter)),
+            generation: AtomicU64::new(1),
+        }
+    }
+
+    /// The limiter in force now.
+    pub fn get(&self) -> Arc<Limiter> {
+        Arc::clone(
+            &self
+                .current
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
+    }
+
+    /// Puts `limiter` in force for every request that starts from now.
+    pub fn replace(&self, limiter: Limiter) {
+        *self
+            .current
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(limiter);
+        self.generation.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// How many limiters have been in force (1 until the first reload).
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Relaxed)
+    }
 }
 
 /// Counts a check in `ratelimit_checks_in_flight` while it lives (a check
@@ -122,9 +171,30 @@ impl Limiter {
         }
     }
 
-    /// The same limiter offering every check to a hot-key detector.
-    pub fn with_hot_keys(self, hot_keys: Option<HotKeys>) -> Self {
+    /// The same limiter offering every check to a hot-key detector
+    /// (shared, so a reload can hand it on to the next limiter).
+    pub fn with_hot_keys(self, hot_keys: Option<Arc<HotKeys>>) -> Self {
         Self { hot_keys, ..self }
+    }
+
+    /// How it keys buckets.
+    pub fn hasher(&self) -> &KeyHasher {
+        &self.hasher
+    }
+
+    /// Its hot-key detector.
+    pub fn hot_keys(&self) -> Option<&Arc<HotKeys>> {
+        self.hot_keys.as_ref()
+    }
+
+    /// The proxies whose `X-Forwarded-For` it believes.
+    pub fn trusted_proxies(&self) -> &[ipnet::IpNet] {
+        self.identifier.trusted_proxies()
+    }
+
+    /// The names of its policies, in match order.
+    pub fn policy_names(&self) -> Vec<Arc<str>> {
+        self.policies.names()
     }
 
     /// The hot keys of the last complete window, in the Prometheus text

@@ -1,4 +1,5 @@
-//! The API service binary: parse config, bind, serve until a signal.
+//! The API service binary: parse config, bind, serve until a signal
+//! (SIGHUP reloads the config; ctrl-c and SIGTERM stop gracefully).
 //!
 //! Expected failures (a bad config, a bad flag, a port in use) print one
 //! line naming the field, file or address, and exit 1, whatever
@@ -11,7 +12,8 @@ use std::process::ExitCode;
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let config = match Config::load(Cli::parse()) {
+    let cli = Cli::parse();
+    let config = match Config::load(cli.clone()) {
         Ok(config) => config,
         Err(e) => {
             // Its message already names the field or file, and the cause.
@@ -19,7 +21,7 @@ async fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match server::run(config).await {
+    match server::run(config, Some(cli)).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");

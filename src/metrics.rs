@@ -87,6 +87,11 @@ pub const HOT_KEY_STORE_CALLS_PER_SECOND: &str = "ratelimit_hot_key_store_calls_
 /// Gauge, like `HOT_KEY_CHECKS_PER_SECOND`: the key's share (0 to 1) of
 /// this instance's store calls to the node serving its slot.
 pub const HOT_KEY_NODE_SHARE: &str = "ratelimit_hot_key_node_share";
+/// Counter: config reloads (SIGHUP). Labels: `result` (`applied`;
+/// `invalid`: the file could not be read or validated; `needs_restart`: it
+/// changed fields only a restart applies). Refused reloads keep the
+/// running config.
+pub const CONFIG_RELOADS_TOTAL: &str = "ratelimit_config_reloads_total";
 /// Gauge, always 1: which instance and backend this is. Labels:
 /// `instance_id` (the configured id; `instance` is Prometheus's own target
 /// label), `backend`.
@@ -113,6 +118,7 @@ pub const ALL: &[&str] = &[
     HOT_KEY_CHECKS_PER_SECOND,
     HOT_KEY_STORE_CALLS_PER_SECOND,
     HOT_KEY_NODE_SHARE,
+    CONFIG_RELOADS_TOTAL,
     INSTANCE_INFO,
 ];
 
@@ -186,6 +192,10 @@ fn describe() {
     metrics::describe_counter!(
         UNTRUSTED_FORWARDED_TOTAL,
         "Limited requests with X-Forwarded-For from a peer that is not a trusted proxy (header ignored)"
+    );
+    metrics::describe_counter!(
+        CONFIG_RELOADS_TOTAL,
+        "Config reloads by result: applied, invalid, needs_restart"
     );
     metrics::describe_gauge!(INSTANCE_INFO, "Instance id and backend, value 1");
     metrics::describe_gauge!(

@@ -99,6 +99,11 @@ impl Policies {
         Self { list }
     }
 
+    /// The policies' names, in match order.
+    pub fn names(&self) -> Vec<Arc<str>> {
+        self.list.iter().map(|p| Arc::clone(&p.name)).collect()
+    }
+
     /// The policy for a route template and method, if any.
     pub fn find(&self, route: &str, method: &Method) -> Option<&Arc<RoutePolicy>> {
         self.list.iter().find(|p| {

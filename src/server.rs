@@ -4,11 +4,11 @@
 
 use crate::api::{AppState, Health, app};
 use crate::clock::{Clock, FastClock};
-use crate::config::Config;
+use crate::config::{Cli, Config, ConfigError};
 use crate::failover::{BreakerHandle, Deadline, Failover, LocalShare};
 use crate::hotkeys::HotKeys;
 use crate::identity::{ApiKeys, Identifier, KeyHasher};
-use crate::limiter::Limiter;
+use crate::limiter::{CurrentLimiter, Limiter};
 use crate::metrics as m;
 use crate::policy::Policies;
 use crate::store::redis::RedisConnection;
@@ -16,7 +16,7 @@ use crate::store::{Backend, Counted, LuaStore, MemoryStore, NaiveStore, Store};
 use crate::telemetry;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::net::TcpListener;
 
@@ -84,7 +84,6 @@ pub async fn build_stack(config: &Config) -> Result<Stack, redis::RedisError> {
 
 /// The limiter the config describes, deciding through `store`.
 pub fn build_limiter(config: &Config, store: Arc<dyn Store>, clock: Arc<dyn Clock>) -> Limiter {
-    let api_keys = ApiKeys::from_digests(config.api_keys.iter().map(|k| (k.id.clone(), k.sha256)));
     let secret = config.key_secret.unwrap_or_else(|| {
         let mut secret = [0u8; 16];
         // Without OS randomness the process cannot keep identities
@@ -92,15 +91,30 @@ pub fn build_limiter(config: &Config, store: Arc<dyn Store>, clock: Arc<dyn Cloc
         getrandom::fill(&mut secret).expect("the OS random source is unavailable");
         secret
     });
+    let hot_keys = HotKeys::new(config.hot_keys).map(Arc::new);
+    limiter_with(config, KeyHasher::new(secret), store, clock, hot_keys)
+}
+
+/// The limiter the config describes, keying buckets with `hasher` (a
+/// reload keeps the running one: with a random secret, a new one would
+/// re-key, so reset, every bucket), with a given hot-key detector.
+fn limiter_with(
+    config: &Config,
+    hasher: KeyHasher,
+    store: Arc<dyn Store>,
+    clock: Arc<dyn Clock>,
+    hot_keys: Option<Arc<HotKeys>>,
+) -> Limiter {
+    let api_keys = ApiKeys::from_digests(config.api_keys.iter().map(|k| (k.id.clone(), k.sha256)));
     Limiter::new(
         Policies::new(&config.policies, config.failover.mode),
         Identifier::new(api_keys, config.trusted_proxies.clone(), config.ipv6_prefix),
-        KeyHasher::new(secret),
+        hasher,
         store,
         clock,
         config.near_limit_fraction,
     )
-    .with_hot_keys(HotKeys::new(config.hot_keys))
+    .with_hot_keys(hot_keys)
 }
 
 /// Builds the shared state of one instance from validated config.
@@ -117,13 +131,166 @@ pub fn state_with_stack(config: &Config, stack: Stack, clock: Arc<dyn Clock>) ->
     let handle = m::install();
     metrics::gauge!(m::INSTANCE_INFO, "instance_id" => config.instance_id.clone(), "backend" => config.backend.as_str())
         .set(1.0);
-    let limiter = Arc::new(build_limiter(config, Arc::clone(&stack.store), clock));
+    let limiter = Arc::new(CurrentLimiter::new(build_limiter(
+        config,
+        Arc::clone(&stack.store),
+        clock,
+    )));
     let health = Health {
         store: stack.store,
         breaker: stack.breaker,
         failure_mode: config.failover.mode,
     };
     AppState::new(limiter, health, handle, &config.instance_id)
+}
+
+/// Re-reads the config on demand (SIGHUP) and puts a new limiter in force.
+///
+/// What a reload may change: the policies, API keys, trusted proxies, the
+/// IPv6 prefix, the near-limit fraction and the hot-key detector: all of
+/// it lives in the limiter, which is replaced whole. The store stack is
+/// kept, so live buckets (in Redis or in memory), the local share and the
+/// breaker carry on. What needs a restart (the listen address, the
+/// backend, Redis, the failure settings, tracing, the instance id, the
+/// key secret, which keys every bucket) refuses the whole reload, naming
+/// the fields: a file is applied entirely or not at all.
+#[derive(Debug)]
+pub struct Reloader {
+    cli: Cli,
+    running: Mutex<Config>,
+    store: Arc<dyn Store>,
+    clock: Arc<dyn Clock>,
+    limiter: Arc<CurrentLimiter>,
+}
+
+/// Why a reload was refused (the running config stays).
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    /// The file cannot be read or is not a valid config.
+    #[error(transparent)]
+    Invalid(#[from] ConfigError),
+    /// Fields that only a restart can change were changed.
+    #[error("{} changed; these take effect only on a restart", .0.join(", "))]
+    NeedsRestart(Vec<&'static str>),
+}
+
+impl ReloadError {
+    /// The `result` label of `ratelimit_config_reloads_total`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ReloadError::Invalid(_) => "invalid",
+            ReloadError::NeedsRestart(_) => "needs_restart",
+        }
+    }
+}
+
+/// The fields of `new` that differ from `running` and need a restart.
+pub fn restart_only_changes(running: &Config, new: &Config) -> Vec<&'static str> {
+    let mut changed = Vec::new();
+    let mut check = |field: &'static str, same: bool| {
+        if !same {
+            changed.push(field);
+        }
+    };
+    check("listen", running.listen == new.listen);
+    check("backend", running.backend == new.backend);
+    check("instance_id", running.instance_id == new.instance_id);
+    check("key_secret", running.key_secret == new.key_secret);
+    check("memory", running.memory == new.memory);
+    check("redis", running.redis == new.redis);
+    check("failure", running.failover == new.failover);
+    check("tracing", running.tracing == new.tracing);
+    changed
+}
+
+impl Reloader {
+    /// Reloads from the file and flags of `cli` (the ones the instance
+    /// started with) into `state`'s limiter, deciding through `store`.
+    pub fn new(
+        cli: Cli,
+        running: Config,
+        store: Arc<dyn Store>,
+        clock: Arc<dyn Clock>,
+        state: &AppState,
+    ) -> Self {
+        Self {
+            cli,
+            running: Mutex::new(running),
+            store,
+            clock,
+            limiter: Arc::clone(&state.limiter),
+        }
+    }
+
+    /// Reads and validates the config again, and if it is good and changes
+    /// nothing that needs a restart, puts it in force. Counted and logged
+    /// either way.
+    pub fn reload(&self) -> Result<(), ReloadError> {
+        let result = self.try_reload();
+        let outcome = match &result {
+            Ok(()) => "applied",
+            Err(e) => e.kind(),
+        };
+        metrics::counter!(m::CONFIG_RELOADS_TOTAL, "result" => outcome).increment(1);
+        match &result {
+            Ok(()) => tracing::info!(
+                generation = self.limiter.generation(),
+                "config reloaded: the new policies, keys and trusted proxies are in force"
+            ),
+            Err(error) => {
+                tracing::error!(%error, "config reload refused; the running config stays in force")
+            }
+        }
+        result
+    }
+
+    fn try_reload(&self) -> Result<(), ReloadError> {
+        let new = Config::load(self.cli.clone())?;
+        let mut running = self
+            .running
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let changed = restart_only_changes(&running, &new);
+        if !changed.is_empty() {
+            return Err(ReloadError::NeedsRestart(changed));
+        }
+        for range in new.wide_trusted_ranges() {
+            tracing::warn!(%range, "trusted proxy range holds more than {} addresses: every client inside it can choose its own bucket", new.trusted_proxy_warn_addresses);
+        }
+        // The same detector settings: keep its windows, so a reload does
+        // not blank the hot-key panels.
+        let current = self.limiter.get();
+        let hot_keys = match current.hot_keys() {
+            Some(hot) if hot.settings() == new.hot_keys => Some(Arc::clone(hot)),
+            _ => HotKeys::new(new.hot_keys).map(Arc::new),
+        };
+        self.limiter.replace(limiter_with(
+            &new,
+            current.hasher().clone(),
+            Arc::clone(&self.store),
+            Arc::clone(&self.clock),
+            hot_keys,
+        ));
+        *running = new;
+        Ok(())
+    }
+}
+
+/// Reloads on every SIGHUP until the process ends.
+#[cfg(unix)]
+async fn reload_on_hangup(reloader: Reloader) {
+    let mut hangups = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot listen for SIGHUP: config reload is off");
+            return;
+        }
+    };
+    while hangups.recv().await.is_some() {
+        tracing::info!("SIGHUP: reloading the config");
+        // Errors are logged and counted by `reload`.
+        let _ = reloader.reload();
+    }
 }
 
 /// Why an instance could not run.
@@ -149,16 +316,17 @@ pub enum RunError {
 }
 
 /// Runs one instance as configured until ctrl-c or SIGTERM: what the
-/// `ratelimiter` binary does (and what load tests spawn).
-pub async fn run(config: Config) -> Result<(), RunError> {
+/// `ratelimiter` binary does (and what load tests spawn). With `cli` (the
+/// flags and file it was loaded from), SIGHUP reloads the config.
+pub async fn run(config: Config, cli: Option<Cli>) -> Result<(), RunError> {
     let telemetry = telemetry::init(&config.tracing, &config.instance_id)?;
-    let result = run_instance(&config).await;
+    let result = run_instance(&config, cli).await;
     // Spans still queued go out before the process ends.
     telemetry.shutdown(Duration::from_secs(2)).await;
     result
 }
 
-async fn run_instance(config: &Config) -> Result<(), RunError> {
+async fn run_instance(config: &Config, cli: Option<Cli>) -> Result<(), RunError> {
     for range in config.wide_trusted_ranges() {
         tracing::warn!(
             %range,
@@ -171,7 +339,17 @@ async fn run_instance(config: &Config) -> Result<(), RunError> {
             "key_secret not set: identities are hashed with a random per-process key; set RL_KEY_SECRET when instances share a store"
         );
     }
-    let state = build_state(config, Arc::new(FastClock::default())).await?;
+    let clock: Arc<dyn Clock> = Arc::new(FastClock::default());
+    let stack = build_stack(config).await?;
+    let store = Arc::clone(&stack.store);
+    let state = state_with_stack(config, stack, Arc::clone(&clock));
+    #[cfg(unix)]
+    if let Some(cli) = cli {
+        let reloader = Reloader::new(cli, config.clone(), store, clock, &state);
+        tokio::spawn(reload_on_hangup(reloader));
+    }
+    #[cfg(not(unix))]
+    let _ = (cli, store);
     let listener = TcpListener::bind(config.listen)
         .await
         .map_err(|source| RunError::Bind {

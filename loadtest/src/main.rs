@@ -205,7 +205,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
         }
         Command::Instance(cli) => {
             let config = ratelimiter::config::Config::load(*cli)?;
-            ratelimiter::server::run(config).await?;
+            ratelimiter::server::run(config, None).await?;
         }
     }
     Ok(())

@@ -1,19 +1,19 @@
 //! Builds [`RateLimit`] services around inner services.
 
 use super::service::RateLimit;
-use crate::limiter::Limiter;
+use crate::limiter::CurrentLimiter;
 use std::sync::Arc;
 use tower::Layer;
 
-/// Applies the shared [`Limiter`] to every route it wraps.
+/// Applies the limiter in force to every route it wraps.
 #[derive(Debug, Clone)]
 pub struct RateLimitLayer {
-    limiter: Arc<Limiter>,
+    limiter: Arc<CurrentLimiter>,
 }
 
 impl RateLimitLayer {
-    /// A layer deciding through `limiter`.
-    pub fn new(limiter: Arc<Limiter>) -> Self {
+    /// A layer deciding through the limiter `limiter` holds.
+    pub fn new(limiter: Arc<CurrentLimiter>) -> Self {
         Self { limiter }
     }
 }

@@ -1,7 +1,7 @@
 //! Decides in `call`: pass through with headers, or answer in the API's place.
 
 use super::response::Verdict;
-use crate::limiter::Limiter;
+use crate::limiter::CurrentLimiter;
 use crate::store::BoxFuture;
 use axum::body::Body;
 use axum::extract::{ConnectInfo, MatchedPath};
@@ -16,12 +16,12 @@ use tower::Service;
 #[derive(Debug, Clone)]
 pub struct RateLimit<S> {
     inner: S,
-    limiter: Arc<Limiter>,
+    limiter: Arc<CurrentLimiter>,
 }
 
 impl<S> RateLimit<S> {
-    /// Wraps `inner`, deciding through `limiter`.
-    pub fn new(inner: S, limiter: Arc<Limiter>) -> Self {
+    /// Wraps `inner`, deciding through the limiter in force in `limiter`.
+    pub fn new(inner: S, limiter: Arc<CurrentLimiter>) -> Self {
         Self { inner, limiter }
     }
 }
@@ -45,7 +45,8 @@ where
         // (the standard tower pattern for services used from a future).
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
-        let limiter = Arc::clone(&self.limiter);
+        // Taken now and kept to the end: a reload never splits a request.
+        let limiter = self.limiter.get();
         Box::pin(async move {
             let route = request
                 .extensions()
