@@ -18,6 +18,8 @@
 //!   functions of a decision.
 //! - [`hotkeys`]: which keys are hot: a bounded heavy-hitter detector over
 //!   the checks, exported as the top keys with their slot, node and share.
+//! - [`mitigation`]: store wrappers that spare the shared store calls for
+//!   a hot key, per policy: the deny cache.
 //! - [`failover`]: store wrappers for when the shared store misbehaves: a
 //!   deadline per call, a circuit breaker, and fail-open, fail-closed or a
 //!   bounded local share.
@@ -45,6 +47,7 @@ pub mod key;
 pub mod limiter;
 pub mod metrics;
 pub mod middleware;
+pub mod mitigation;
 pub mod policy;
 pub mod server;
 pub mod store;

@@ -264,7 +264,9 @@ impl Limiter {
         };
         let key = self.hasher.bucket_key(&policy.name, &identity);
         let now = self.clock.now();
-        let check = Check::new(key, limit, policy.cost, now).on_failure(policy.failure_mode);
+        let check = Check::new(key, limit, policy.cost, now)
+            .on_failure(policy.failure_mode)
+            .with_deny_cache(policy.deny_cache);
         // Never the key itself, nor the address or credential behind it.
         let span = tracing::info_span!(
             target: TARGET,
@@ -321,6 +323,7 @@ impl Limiter {
                 decision: Some(decision),
                 limit,
                 source,
+                ..
             }) => {
                 count(match (decision.allowed, policy.shadow) {
                     (true, _) => "allowed",

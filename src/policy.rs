@@ -28,6 +28,9 @@ pub struct Policy {
     pub failure_mode: Option<FailureMode>,
     /// Shadow mode: decide and count as usual, never refuse.
     pub shadow: bool,
+    /// Answer 429 in the instance while a denial from the store holds
+    /// (see [`crate::mitigation::DenyCache`]).
+    pub deny_cache: bool,
 }
 
 /// A route policy, resolved: shared by every request it applies to.
@@ -46,6 +49,8 @@ pub struct RoutePolicy {
     /// Shadow mode: decide and count as usual, never refuse (for rolling a
     /// limit out: the metrics show whom it would have throttled).
     pub shadow: bool,
+    /// Whether denials are cached in the instance.
+    pub deny_cache: bool,
 }
 
 impl RoutePolicy {
@@ -59,6 +64,7 @@ impl RoutePolicy {
             cost: p.cost,
             failure_mode: p.failure_mode.unwrap_or(default_mode),
             shadow: p.shadow,
+            deny_cache: p.deny_cache,
         }
     }
 

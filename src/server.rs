@@ -10,6 +10,7 @@ use crate::hotkeys::HotKeys;
 use crate::identity::{ApiKeys, Identifier, KeyHasher};
 use crate::limiter::{CurrentLimiter, Limiter};
 use crate::metrics as m;
+use crate::mitigation::DenyCache;
 use crate::policy::Policies;
 use crate::store::redis::RedisConnection;
 use crate::store::{Backend, Counted, LuaStore, MemoryStore, NaiveStore, Store};
@@ -36,6 +37,16 @@ pub fn in_process_stack(store: MemoryStore) -> Stack {
     Stack {
         store: Arc::new(Counted::new(store)),
         breaker: None,
+    }
+}
+
+/// `stack` under the mitigations the config sizes (each acts only for the
+/// policies that turn it on): the deny cache, outermost, so a remembered
+/// denial costs neither the breaker, the deadline nor a call.
+pub fn mitigated(stack: Stack, config: &Config) -> Stack {
+    Stack {
+        store: Arc::new(DenyCache::new(stack.store, config.deny_cache_max_keys)),
+        breaker: stack.breaker,
     }
 }
 
@@ -66,7 +77,7 @@ pub fn shared_stack<S: Store>(store: S, config: &Config) -> Stack {
 /// Builds the stack the config names. Redis connects lazily (the service
 /// starts while Redis is away); only invalid settings fail here.
 pub async fn build_stack(config: &Config) -> Result<Stack, redis::RedisError> {
-    Ok(match config.backend {
+    let stack = match config.backend {
         Backend::Memory => in_process_stack(MemoryStore::new(
             config.memory.max_keys,
             config.memory.shards,
@@ -79,7 +90,8 @@ pub async fn build_stack(config: &Config) -> Result<Stack, redis::RedisError> {
             let connection = RedisConnection::connect(&config.redis).await?;
             shared_stack(LuaStore::new(connection, &config.redis), config)
         }
-    })
+    };
+    Ok(mitigated(stack, config))
 }
 
 /// The limiter the config describes, deciding through `store`.

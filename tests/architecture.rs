@@ -24,6 +24,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("failover", 3),
     ("policy", 3),
     ("hotkeys", 3),
+    ("mitigation", 3),
     ("limiter", 4),
     ("config", 4),
     ("middleware", 5),

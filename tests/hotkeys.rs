@@ -186,3 +186,86 @@ async fn the_hot_key_is_named_with_the_slot_and_node_that_really_hold_it() {
     assert!(samples(&text, "ratelimit_hot_key_checks_per_second").is_empty());
     server.shutdown().await;
 }
+
+/// `cmdstat_evalsha`'s call count on a Redis.
+fn evalsha_calls(redis: &testkit::RedisServer) -> u64 {
+    let stats = redis.cli(&["info", "commandstats"]).unwrap();
+    stats
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
+}
+
+/// A real surge on one tenant, through a real Redis and real HTTP: with
+/// the deny cache on, Redis is called for at most 5 % of the requests, and
+/// no more are admitted than one exact bucket allows over the surge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_deny_cache_spares_redis_a_surge_and_admits_nothing_more() {
+    let redis = testkit::RedisServer::start().unwrap();
+    let clock = Arc::new(ratelimiter::clock::FastClock::default());
+    let config = format!(
+        r#"
+        backend = "lua"
+        key_secret = "deny-cache-test-secret"
+        [redis]
+        url = "{}"
+        [hot_keys]
+        window = "1s"
+        [[api_keys]]
+        id = "tenant-hot"
+        key = "key-hot"
+        [[policies]]
+        name = "api"
+        route = "/api/"
+        burst = 20
+        rate = 10
+        deny_cache = true
+        "#,
+        redis.url()
+    );
+    let server = TestServer::start(&config, clock).await;
+    let http = client();
+    let before = evalsha_calls(&redis);
+    let started = std::time::Instant::now();
+    let surge: Vec<_> = (0..4)
+        .map(|_| {
+            let (http, url) = (http.clone(), server.url("/api/items"));
+            tokio::spawn(async move {
+                let mut admitted = 0u64;
+                for _ in 0..500 {
+                    let r = http
+                        .get(&url)
+                        .header("x-api-key", "key-hot")
+                        .send()
+                        .await
+                        .unwrap();
+                    match r.status().as_u16() {
+                        200 => admitted += 1,
+                        429 => assert!(r.headers().contains_key("retry-after")),
+                        other => panic!("status {other}"),
+                    }
+                }
+                admitted
+            })
+        })
+        .collect();
+    let mut admitted = 0;
+    for task in surge {
+        admitted += task.await.unwrap();
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let calls = evalsha_calls(&redis) - before;
+    // One exact bucket: the burst, and 10 a second after it (+1 for the
+    // token that may have been refilling when the surge began).
+    let exact = 20.0 + 10.0 * seconds + 1.0;
+    assert!(
+        admitted as f64 <= exact,
+        "{admitted} admitted in {seconds:.2} s, one bucket allows {exact:.0}"
+    );
+    assert!(admitted >= 20, "{admitted}: the burst itself was refused");
+    assert!(
+        calls * 20 <= 2000,
+        "{calls} Redis calls for 2000 requests ({admitted} admitted in {seconds:.2} s)"
+    );
+    server.shutdown().await;
+}

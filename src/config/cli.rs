@@ -84,6 +84,8 @@ pub struct Cli {
     pub tracing: TracingFlags,
     #[command(flatten)]
     pub hot_keys: HotKeyFlags,
+    #[command(flatten)]
+    pub deny_cache: DenyCacheFlags,
 }
 
 /// `[memory]` flags.
@@ -196,4 +198,12 @@ pub struct HotKeyFlags {
     #[arg(long = "hot-keys-addresses", env = "RL_HOT_KEYS_ADDRESSES", value_enum, help = help("Hot addresses in the key label: show them, or a short hash", "hot_keys.addresses"))]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub addresses: Option<AddressDisplay>,
+}
+
+/// `[deny_cache]` flags.
+#[derive(Debug, Clone, Default, Args, Serialize)]
+pub struct DenyCacheFlags {
+    #[arg(id = "deny_cache_max_keys", long = "deny-cache-max-keys", env = "RL_DENY_CACHE_MAX_KEYS", help = help("Most denials an instance remembers for policies with deny_cache", "deny_cache.max_keys"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_keys: Option<usize>,
 }

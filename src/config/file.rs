@@ -45,6 +45,8 @@ pub struct Settings {
     pub tracing: TracingFile,
     /// `[hot_keys]`.
     pub hot_keys: HotKeysFile,
+    /// `[deny_cache]`.
+    pub deny_cache: DenyCacheFile,
     /// `[[api_keys]]`.
     pub api_keys: Vec<ApiKeyFile>,
     /// `[[policies]]`.
@@ -135,6 +137,15 @@ pub struct HotKeysFile {
     pub addresses: AddressDisplay,
 }
 
+/// `[deny_cache]`: the denials an instance remembers for the policies
+/// that set `deny_cache = true` (see [`crate::mitigation::DenyCache`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DenyCacheFile {
+    /// Most denials remembered at once.
+    pub max_keys: usize,
+}
+
 /// One `[[api_keys]]` entry.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -189,6 +200,9 @@ pub struct PolicyFile {
     /// Decide and count, never refuse.
     #[serde(default)]
     pub shadow: bool,
+    /// Answer 429 locally while a denial from the store holds.
+    #[serde(default)]
+    pub deny_cache: bool,
 }
 
 impl Default for Settings {
@@ -249,6 +263,10 @@ impl Default for Settings {
                 window: "10s".into(),
                 addresses: AddressDisplay::Show,
             },
+            deny_cache: DenyCacheFile {
+                // About 100 bytes each: 10 MB at most.
+                max_keys: 100_000,
+            },
             api_keys: Vec::new(),
             // Without policies in the file: every /api/ route, 100 at 10/s.
             policies: vec![PolicyFile {
@@ -264,6 +282,7 @@ impl Default for Settings {
                 failure_mode: None,
                 algorithm: None,
                 shadow: false,
+                deny_cache: false,
             }],
         }
     }

@@ -41,6 +41,7 @@
 //! | `hot_keys.top` | `--hot-keys-top` / `RL_HOT_KEYS_TOP` | `5` |
 //! | `hot_keys.window` | `--hot-keys-window` / `RL_HOT_KEYS_WINDOW` | `10s` |
 //! | `hot_keys.addresses` | `--hot-keys-addresses` / `RL_HOT_KEYS_ADDRESSES` | `show` (or `hash`) |
+//! | `deny_cache.max_keys` | `--deny-cache-max-keys` / `RL_DENY_CACHE_MAX_KEYS` | `100000` |
 //! | `[[api_keys]]` | file only | none |
 //! | `[[policies]]` | file only | one policy `api`: route `/api/`, burst 100, 10/s |
 //!
@@ -66,7 +67,10 @@ pub mod file;
 mod parse;
 mod validate;
 
-pub use cli::{Cli, FailureFlags, HotKeyFlags, MemoryFlags, RedisFlags, TracingFlags, default_of};
+pub use cli::{
+    Cli, DenyCacheFlags, FailureFlags, HotKeyFlags, MemoryFlags, RedisFlags, TracingFlags,
+    default_of,
+};
 pub use parse::parse_period;
 
 use crate::failover::FailoverSettings;
@@ -129,6 +133,8 @@ pub struct Config {
     pub tracing: TracingSettings,
     /// The hot-key detector.
     pub hot_keys: HotKeySettings,
+    /// Most denials the deny cache remembers.
+    pub deny_cache_max_keys: usize,
     /// Verified API keys.
     pub api_keys: Vec<ApiKeyConfig>,
     /// Route policies.

@@ -91,6 +91,12 @@ pub(super) fn validate(s: Settings) -> Result<Config, ConfigError> {
     let failover = failover(s.failure)?;
     let tracing = tracing(s.tracing)?;
     let hot_keys = hot_keys(s.hot_keys)?;
+    if s.deny_cache.max_keys == 0 {
+        return Err(invalid(
+            "deny_cache.max_keys",
+            "must be at least 1 (turn the cache off per policy instead)",
+        ));
+    }
     let api_keys = api_keys(s.api_keys)?;
     let policies = policies(s.policies, backend)?;
     // Every policy's local share must be a limit the service can keep.
@@ -122,6 +128,7 @@ pub(super) fn validate(s: Settings) -> Result<Config, ConfigError> {
         failover,
         tracing,
         hot_keys,
+        deny_cache_max_keys: s.deny_cache.max_keys,
         api_keys,
         policies,
     })
@@ -419,10 +426,11 @@ fn policies(list: Vec<PolicyFile>, backend: Backend) -> Result<Vec<Policy>, Conf
                 || p.failure_mode.is_some()
                 || p.algorithm.is_some()
                 || p.shadow
+                || p.deny_cache
             {
                 return Err(invalid(
                     &field,
-                    "an unlimited policy takes no burst, rate, cost, anonymous limit, failure_mode, algorithm or shadow",
+                    "an unlimited policy takes no burst, rate, cost, anonymous limit, failure_mode, algorithm, shadow or deny_cache",
                 ));
             }
             (None, None)
@@ -491,6 +499,7 @@ fn policies(list: Vec<PolicyFile>, backend: Backend) -> Result<Vec<Policy>, Conf
             cost,
             failure_mode: p.failure_mode,
             shadow: p.shadow,
+            deny_cache: p.deny_cache,
         });
     }
     Ok(out)

@@ -186,6 +186,7 @@ impl<S> Failover<S> {
                 decision: None,
                 limit: check.limit,
                 source: Source::FailOpen,
+                bounded: false,
             }),
             FailureMode::Closed => Err(StoreError::Unavailable {
                 retry_after: self.breaker.wait().max(Duration::from_secs(1)),
@@ -210,7 +211,10 @@ impl<S: Store> Store for Failover<S> {
                         if let Some(decision) = &checked.decision {
                             self.local.mirror(&check, decision);
                         }
-                        return Ok(checked);
+                        return Ok(Checked {
+                            bounded: checked.bounded || ceiling.is_some(),
+                            ..checked
+                        });
                     }
                     // The request itself is at fault, not the store (which
                     // answered, so a probe has its answer).

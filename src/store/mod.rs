@@ -10,8 +10,8 @@
 //! (`server.rs`) and each stays a room of its own:
 //!
 //! ```text
-//! Failover<Counted<Deadline<LuaStore>>>   (backend lua or naive)
-//! Counted<MemoryStore>                    (backend memory)
+//! DenyCache<Failover<Counted<Deadline<LuaStore>>>>   (backend lua or naive)
+//! DenyCache<Counted<MemoryStore>>                    (backend memory)
 //! ```
 //!
 //! - [`MemoryStore`], [`LuaStore`], [`NaiveStore`]: the backends;
@@ -88,6 +88,9 @@ pub struct Check {
     /// share without a fresh burst (see
     /// [`crate::algorithm::token_bucket::check_within`]).
     pub ceiling: Option<u64>,
+    /// Whether a deny cache above may answer this check from a denial it
+    /// holds (the policy's `deny_cache`).
+    pub deny_cache: bool,
 }
 
 impl Check {
@@ -101,12 +104,18 @@ impl Check {
             now,
             on_failure: FailureMode::default(),
             ceiling: None,
+            deny_cache: false,
         }
     }
 
     /// The same check with another failure mode.
     pub fn on_failure(self, on_failure: FailureMode) -> Self {
         Self { on_failure, ..self }
+    }
+
+    /// The same check, answerable by a deny cache or not.
+    pub fn with_deny_cache(self, deny_cache: bool) -> Self {
+        Self { deny_cache, ..self }
     }
 
     /// The same check bounded by `ceiling` (units).
@@ -126,6 +135,9 @@ pub enum Source {
     Local,
     /// Nobody: admitted because Redis is away and the mode is `open`.
     FailOpen,
+    /// This instance's deny cache: the store denied this key, and that
+    /// denial still holds.
+    DenyCache,
 }
 
 impl Source {
@@ -136,6 +148,7 @@ impl Source {
             Source::Memory => "memory",
             Source::Local => "local",
             Source::FailOpen => "failopen",
+            Source::DenyCache => "deny_cache",
         }
     }
 }
@@ -149,6 +162,10 @@ pub struct Checked {
     pub limit: Limit,
     /// Who decided.
     pub source: Source,
+    /// The decision was bounded by a hand-back ceiling
+    /// ([`Check::ceiling`]): stricter than the shared bucket alone, and only
+    /// for as long as the local share lags, so not a fact to remember.
+    pub bounded: bool,
 }
 
 impl Checked {
@@ -158,6 +175,7 @@ impl Checked {
             decision: Some(decision),
             limit,
             source,
+            bounded: false,
         }
     }
 }

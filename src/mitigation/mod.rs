@@ -1,0 +1,16 @@
+//! Mitigations for a hot key: store wrappers that spare the shared store
+//! calls it does not need, each turned on per policy and each a [`Store`]
+//! itself, so they stack with the rest in `server.rs`.
+//!
+//! - [`DenyCache`]: once the store has denied a key, answer 429 in the
+//!   instance until that denial's `retry_after`, without a call. For a key
+//!   that is over its limit (an abusive tenant, a client bug, everyone
+//!   behind one address).
+//!
+//! [`Store`]: crate::store::Store
+
+mod deny_cache;
+#[cfg(test)]
+mod tests;
+
+pub use deny_cache::DenyCache;

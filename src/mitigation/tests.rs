@@ -1,0 +1,220 @@
+//! The deny cache against the exact cores: an instance (or a fleet) with
+//! the cache decides exactly as the store alone, fed the same requests.
+
+use super::DenyCache;
+use crate::algorithm::{Algorithm, Limit};
+use crate::clock::Micros;
+use crate::key::BucketKey;
+use crate::store::{Backend, Check, Checked, MemoryStore, Source, Store};
+use proptest::prelude::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+const T0: Micros = 1_800_000_000_000_000;
+
+/// A limit of an algorithm the in-process store runs (the exact cores).
+fn limit() -> impl Strategy<Value = Limit> {
+    let algorithms: Vec<Algorithm> = Algorithm::ALL
+        .into_iter()
+        .filter(|&a| Backend::Memory.runs(a))
+        .collect();
+    (
+        prop::sample::select(algorithms),
+        1u64..=30,
+        1u64..=10,
+        prop_oneof![Just(1_000_000u64), Just(60_000_000), 1_000u64..=5_000_000],
+    )
+        .prop_map(|(a, b, r, p)| {
+            Limit::new(b, r, Duration::from_micros(p))
+                .unwrap()
+                .with_algorithm(a)
+        })
+}
+
+/// (instance, time step, cost): surges (tiny steps) and pauses.
+fn requests(instances: usize, max_cost: u64) -> impl Strategy<Value = Vec<(usize, u64, u64)>> {
+    let step = prop_oneof![
+        6 => 0u64..=2_000,
+        3 => 0u64..=500_000,
+        1 => 0u64..=30_000_000,
+    ];
+    prop::collection::vec((0..instances, step, 1..=max_cost), 1..300)
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap()
+}
+
+/// Feeds `requests` to `instances` deny caches over one shared store and to
+/// the store alone; returns (with the caches, alone) answer pairs.
+fn run(
+    limit: Limit,
+    instances: usize,
+    requests: &[(usize, u64, u64)],
+) -> Vec<(u64, Checked, Checked)> {
+    let rt = runtime();
+    let shared = Arc::new(MemoryStore::new(64, 1));
+    let fleet: Vec<_> = (0..instances)
+        .map(|_| DenyCache::new(Arc::clone(&shared), 16))
+        .collect();
+    let alone = MemoryStore::new(64, 1);
+    let mut now = T0;
+    requests
+        .iter()
+        .map(|&(i, dt, cost)| {
+            now += dt;
+            let check = Check::new(BucketKey(7), limit, cost, now).with_deny_cache(true);
+            let with = rt.block_on(fleet[i].check(check)).unwrap();
+            let without = rt.block_on(alone.check(check)).unwrap();
+            (cost, with, without)
+        })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// One instance, one cost: the same decisions, with a 429 from the
+    /// cache carrying the store's exact `Retry-After` and reset, and no
+    /// more remaining tokens than the store would report.
+    #[test]
+    fn one_instance_same_cost_decides_exactly_as_the_store(
+        limit in limit(),
+        cost in 1u64..=3,
+        requests in requests(1, 1),
+    ) {
+        prop_assume!(cost <= limit.burst());
+        let requests: Vec<_> = requests.into_iter().map(|(i, dt, _)| (i, dt, cost)).collect();
+        for (n, (_, with, without)) in run(limit, 1, &requests).into_iter().enumerate() {
+            let (w, wo) = (with.decision.unwrap(), without.decision.unwrap());
+            prop_assert_eq!(w.allowed, wo.allowed, "request {}: {:?} vs {:?}", n, with, without);
+            if with.source == Source::DenyCache {
+                prop_assert_eq!(w.retry_after, wo.retry_after, "request {}", n);
+                prop_assert_eq!(w.reset, wo.reset, "request {}", n);
+                prop_assert!(w.remaining <= wo.remaining, "request {}", n);
+            } else {
+                prop_assert_eq!(w, wo, "request {}", n);
+            }
+        }
+    }
+
+    /// A fleet of instances, each with its own cache, over one shared
+    /// store, mixed costs: never an admission the store alone would refuse,
+    /// never a refusal it would admit.
+    #[test]
+    fn a_fleet_with_mixed_costs_admits_exactly_what_the_store_admits(
+        limit in limit(),
+        instances in 1usize..=3,
+        requests in requests(3, 4),
+    ) {
+        let requests: Vec<_> = requests
+            .into_iter()
+            .map(|(i, dt, cost)| (i % instances, dt, cost.min(limit.burst())))
+            .collect();
+        for (n, (cost, with, without)) in run(limit, instances, &requests).into_iter().enumerate() {
+            let (w, wo) = (with.decision.unwrap(), without.decision.unwrap());
+            prop_assert!(!w.allowed || wo.allowed, "request {} (cost {}): over-admitted", n, cost);
+            prop_assert!(w.allowed || !wo.allowed, "request {} (cost {}): falsely denied {:?}", n, cost, with);
+        }
+    }
+}
+
+#[test]
+fn a_surge_is_answered_from_the_cache_and_the_store_is_spared() {
+    let rt = runtime();
+    let store = Arc::new(MemoryStore::new(64, 1));
+    let cache = DenyCache::new(Arc::clone(&store), 16);
+    let limit = Limit::per_second(5, 1).unwrap();
+    let (mut admitted, mut from_cache) = (0, 0);
+    // 1000 requests over 2 s: 5 + 2 admitted.
+    for i in 0..1000u64 {
+        let check = Check::new(BucketKey(1), limit, 1, T0 + i * 2_000).with_deny_cache(true);
+        let c = rt.block_on(cache.check(check)).unwrap();
+        admitted += u64::from(c.decision.unwrap().allowed);
+        from_cache += u64::from(c.source == Source::DenyCache);
+    }
+    assert_eq!(
+        admitted,
+        5 + 1,
+        "the burst, and one token at 1 s (2 s is not reached)"
+    );
+    // The store saw the admissions and one denial per refill gap.
+    assert!(
+        1000 - from_cache <= 2 * admitted,
+        "{from_cache} from the cache"
+    );
+}
+
+#[test]
+fn only_the_policies_that_ask_and_only_the_stores_own_denials() {
+    let rt = runtime();
+    let cache = DenyCache::new(MemoryStore::new(64, 1), 16);
+    let limit = Limit::per_second(1, 1).unwrap();
+    let at = |now| Check::new(BucketKey(2), limit, 1, now);
+    // Without deny_cache: never answered from the cache.
+    for now in [T0, T0 + 1, T0 + 2] {
+        let c = rt.block_on(cache.check(at(now))).unwrap();
+        assert_eq!(c.source, Source::Memory);
+    }
+    assert!(cache.is_empty(), "nothing learned for a policy without it");
+    // A denial under a hand-back ceiling is not remembered.
+    let bounded = Checked {
+        bounded: true,
+        ..rt.block_on(cache.check(at(T0 + 3))).unwrap()
+    };
+    cache.learn(&at(T0 + 3).with_deny_cache(true), &bounded);
+    assert!(cache.is_empty());
+    // A cheaper request is passed down; a different limit too.
+    let c = rt
+        .block_on(cache.check(at(T0 + 4).with_deny_cache(true)))
+        .unwrap();
+    assert_eq!(c.source, Source::Memory);
+    assert_eq!(cache.len(), 1);
+    let c = rt
+        .block_on(cache.check(at(T0 + 5).with_deny_cache(true)))
+        .unwrap();
+    assert_eq!(c.source, Source::DenyCache);
+    let cheaper = Check {
+        cost: 0,
+        ..at(T0 + 6)
+    }
+    .with_deny_cache(true);
+    assert_eq!(
+        rt.block_on(cache.check(cheaper)).unwrap().source,
+        Source::Memory
+    );
+    let other = Check {
+        limit: Limit::per_second(2, 1).unwrap(),
+        ..at(T0 + 7)
+    }
+    .with_deny_cache(true);
+    assert_eq!(
+        rt.block_on(cache.check(other)).unwrap().source,
+        Source::Memory
+    );
+}
+
+#[test]
+fn memory_is_bounded_and_expired_denials_make_room() {
+    let rt = runtime();
+    let cache = DenyCache::new(MemoryStore::new(10_000, 1), 32);
+    let limit = Limit::per_second(1, 1).unwrap();
+    let deny_all = |now: Micros, keys: std::ops::Range<u128>| {
+        for k in keys {
+            let check = Check::new(BucketKey(k), limit, 1, now).with_deny_cache(true);
+            rt.block_on(cache.check(check)).unwrap();
+            rt.block_on(cache.check(check)).unwrap();
+        }
+    };
+    deny_all(T0, 0..1000);
+    assert!(cache.len() <= 32 + 16, "{} remembered", cache.len());
+    // A second later every denial has expired: new ones fit.
+    deny_all(T0 + 2_000_000, 1000..1010);
+    let check = Check::new(BucketKey(1005), limit, 1, T0 + 2_000_001).with_deny_cache(true);
+    assert_eq!(
+        rt.block_on(cache.check(check)).unwrap().source,
+        Source::DenyCache
+    );
+}
