@@ -181,9 +181,14 @@ fn compose_nginx_prometheus_and_grafana_agree() {
     }
     let nginx = service(&compose, "nginx");
     let nginx_ip = text(&nginx["networks"]["stack"]["ipv4_address"]);
+    // nginx is the only trusted proxy: its compose address and its native
+    // proxy_bind, in the config both stacks share (reloadable, for the
+    // drill), and not overridden from the environment.
+    assert!(!api.contains_key("RL_TRUSTED_PROXIES"));
+    let stack_config: toml::Value = read("config/stack.toml").parse().unwrap();
     assert_eq!(
-        api["RL_TRUSTED_PROXIES"], nginx_ip,
-        "nginx is the only trusted proxy"
+        stack_config["trusted_proxies"],
+        toml::Value::Array(vec![nginx_ip.clone().into(), "127.0.0.2".into()]),
     );
     let ipam = &compose["networks"]["stack"]["ipam"]["config"][0];
     let subnet: ipnet::Ipv4Net = text(&ipam["subnet"]).parse().unwrap();

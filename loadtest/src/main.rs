@@ -26,6 +26,7 @@
 
 mod capacity;
 mod compare;
+mod drill;
 mod instances;
 mod luabench;
 mod outage;
@@ -65,6 +66,10 @@ enum Command {
     /// The hot-key incident: mixed traffic, a surge on one identity in the
     /// middle third, mixed again; latency before, during and after.
     Hotkey(scenario::HotkeyArgs),
+    /// The hot-key drill of runbooks/hot-key.md: healthy, incident (the
+    /// instances mistrust nginx), mitigated (deny cache), fixed; measured
+    /// with the dashboard's own queries.
+    Drill(drill::DrillArgs),
     /// Where the Redis round trip, not the application, bounds one
     /// instance: offered load stepped up, 0-2 ms added to each round trip,
     /// beside no limiter and the memory limiter.
@@ -180,6 +185,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
             );
         }
         Command::Capacity(args) => capacity::run(args).await?,
+        Command::Drill(args) => drill::run(args).await?,
         Command::Race(args) => {
             let results = race::run(args).await?;
             let errors: usize = results.iter().map(|r| r.errors).sum();
@@ -204,8 +210,9 @@ async fn run(command: Command) -> anyhow::Result<()> {
             );
         }
         Command::Instance(cli) => {
-            let config = ratelimiter::config::Config::load(*cli)?;
-            ratelimiter::server::run(config, None).await?;
+            // As the binary: SIGHUP reloads from the same flags and file.
+            let config = ratelimiter::config::Config::load((*cli).clone())?;
+            ratelimiter::server::run(config, Some(*cli)).await?;
         }
     }
     Ok(())

@@ -181,23 +181,26 @@ struct UserState {
     forwarded_for: Option<IpAddr>,
 }
 
-/// The host goose will target, as an address to probe.
-fn target(goose: &GooseConfiguration) -> (String, Option<SocketAddr>) {
-    let host = goose
+/// The host goose will target.
+fn target(goose: &GooseConfiguration) -> String {
+    goose
         .host
         .clone()
         .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "http://127.0.0.1:8080".into());
-    let addr = reqwest::Url::parse(&host).ok().and_then(|url| {
-        let port = url.port_or_known_default()?;
-        (url.host_str()?, port).to_socket_addrs().ok()?.next()
-    });
-    (host, addr)
+        .unwrap_or_else(|| "http://127.0.0.1:8080".into())
 }
 
 /// One line, not thousands of connection errors, when nothing listens.
 pub fn require_stack(goose: &GooseConfiguration) -> anyhow::Result<SocketAddr> {
-    let (host, addr) = target(goose);
+    require_target(&target(goose))
+}
+
+/// The address of `host` (a URL), if something listens there.
+pub fn require_target(host: &str) -> anyhow::Result<SocketAddr> {
+    let addr = reqwest::Url::parse(host).ok().and_then(|url| {
+        let port = url.port_or_known_default()?;
+        (url.host_str()?, port).to_socket_addrs().ok()?.next()
+    });
     let addr = addr.with_context(|| format!("cannot resolve the target {host}"))?;
     if std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)).is_err() {
         anyhow::bail!(
@@ -209,7 +212,7 @@ pub fn require_stack(goose: &GooseConfiguration) -> anyhow::Result<SocketAddr> {
 
 /// The config path as given, or else relative to the repository (so the
 /// default works from any directory).
-fn resolve(path: &std::path::Path) -> PathBuf {
+pub(crate) fn resolve(path: &std::path::Path) -> PathBuf {
     if path.is_relative() && !path.exists() {
         let in_repo = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/..")).join(path);
         if in_repo.exists() {

@@ -276,10 +276,15 @@ fn the_stack_config_is_valid_and_carries_no_secret() {
         16,
         "the load scenarios pick among 16 tenants"
     );
-    assert!(
-        c.trusted_proxies.is_empty(),
-        "the proxy to trust is per deployment"
+    assert_eq!(
+        c.trusted_proxies,
+        [
+            "172.28.0.10/32".parse().unwrap(),
+            "127.0.0.2/32".parse().unwrap()
+        ],
+        "nginx alone: its address in compose, its proxy_bind natively"
     );
+    assert!(c.wide_trusted_ranges().is_empty());
 
     // The file alone is refused for want of the secret, never run with a
     // random one (instances would not share buckets).
