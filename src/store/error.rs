@@ -55,7 +55,9 @@ impl StoreError {
 }
 
 /// Classifies a Redis error into one bounded metric label. Order matters:
-/// a timeout is also an I/O error, and a refusal is also a dropped connection.
+/// a timeout is also an I/O error, and a refusal is also a dropped
+/// connection; a TLS failure (`tls`: the handshake or a certificate) is an
+/// I/O error with rustls's error inside.
 pub fn redis_error_kind(e: &::redis::RedisError) -> &'static str {
     use ::redis::{ErrorKind, ServerErrorKind};
     if e.is_timeout() {
@@ -64,6 +66,8 @@ pub fn redis_error_kind(e: &::redis::RedisError) -> &'static str {
         "connection_refused"
     } else if e.is_connection_dropped() {
         "connection_dropped"
+    } else if super::redis::tls::is_tls_error(e) {
+        "tls"
     } else if e.is_io_error() {
         "io"
     } else {
