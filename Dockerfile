@@ -22,7 +22,8 @@ RUN touch src/main.rs src/lib.rs \
  && cargo build --release --locked --package ratelimiter --bin ratelimiter
 
 FROM debian:12.8-slim
-# curl for the healthcheck; ca-certificates for TLS to a collector.
+# curl for the healthcheck; ca-certificates: the roots for TLS to a
+# collector, and to a rediss:// Redis without redis.tls_ca_file.
 # hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates curl \

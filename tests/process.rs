@@ -281,3 +281,62 @@ fn a_wide_trusted_range_is_warned_about() {
         "a single proxy is not wide: {stderr}"
     );
 }
+
+/// `rediss://` without a CA file trusts the system's roots, as a managed
+/// Redis with a public certificate needs: here the test CA, made a system
+/// root by `SSL_CERT_FILE` (what rustls-native-certs reads, as OpenSSL
+/// does). Without it the same server is refused (`tls` in `/readyz`), and
+/// the instance serves by its local share meanwhile.
+#[test]
+fn a_rediss_url_trusts_the_system_roots() {
+    let certs = testkit::TestCerts::generate().unwrap();
+    let redis = RedisServer::start_tls(&certs, false, &[]).unwrap();
+    let dir = TempDir::new("tls-roots").unwrap();
+    let config = dir.0.join("c.toml");
+    std::fs::write(
+        &config,
+        "[[policies]]\nname = \"api\"\nroute = \"/api/\"\nburst = 10\nrate = 1\nper = \"1h\"\n",
+    )
+    .unwrap();
+    let start = |ca: Option<&std::path::Path>| {
+        let port = free_port().unwrap();
+        let mut command = Command::new(BIN);
+        command
+            .args(["--listen", &format!("127.0.0.1:{port}"), "--backend", "lua"])
+            .args(["--redis-url", &redis.url(), "--failure-instances", "2"])
+            .arg("--config")
+            .arg(&config)
+            .env("RL_KEY_SECRET", "process-test-shared-secret")
+            .env_remove("SSL_CERT_FILE")
+            .env_remove("SSL_CERT_DIR")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        if let Some(ca) = ca {
+            command.env("SSL_CERT_FILE", ca);
+        }
+        let child = ChildGuard(command.spawn().unwrap());
+        wait_for_port(port, "ratelimiter over TLS").unwrap();
+        (child, port)
+    };
+
+    let (_untrusting, port) = start(None);
+    let (status, _, body) = probe(port, "/readyz");
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("\"error\":\"tls\""), "{body}");
+    let (status, limit, _) = probe(port, "/api/items");
+    assert_eq!(
+        (status, limit.as_deref()),
+        (200, Some("5")),
+        "the local share"
+    );
+
+    let (_trusting, port) = start(Some(&certs.ca));
+    let (_, _, body) = probe(port, "/readyz");
+    assert!(body.contains("\"ready\""), "{body}");
+    let (status, limit, _) = probe(port, "/api/items");
+    assert_eq!(
+        (status, limit.as_deref()),
+        (200, Some("10")),
+        "Redis decides"
+    );
+}

@@ -25,6 +25,7 @@ fn settings(urls: Vec<String>, cluster: bool) -> RedisSettings {
         retries: 2,
         ttl_margin: Duration::from_secs(1),
         topology_refresh: Duration::from_secs(1),
+        tls: Default::default(),
     }
 }
 

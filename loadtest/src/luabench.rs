@@ -108,6 +108,7 @@ pub(crate) fn bench_settings(url: &str, prefix: &str) -> RedisSettings {
         retries: 1,
         ttl_margin: Duration::from_secs(1),
         topology_refresh: Duration::from_secs(1),
+        tls: Default::default(),
     }
 }
 

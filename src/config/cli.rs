@@ -102,13 +102,15 @@ pub struct MemoryFlags {
 /// `[redis]` flags.
 #[derive(Debug, Clone, Default, Args, Serialize)]
 pub struct RedisFlags {
-    #[arg(long = "redis-url", env = "RL_REDIS_URL", help = help("Redis URL for the naive and lua backends", "redis.url"))]
+    // URLs may carry a password: --help does not show the environment's.
+    #[arg(long = "redis-url", env = "RL_REDIS_URL", hide_env_values = true, help = help("Redis URL for the naive and lua backends (rediss:// for TLS; credentials as rediss://user:password@host)", "redis.url"))]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub url: Option<String>,
     /// A Redis Cluster seed node URL (repeatable); switches to cluster mode
     #[arg(
         long = "redis-cluster",
         env = "RL_REDIS_CLUSTER",
+        hide_env_values = true,
         value_delimiter = ','
     )]
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -131,6 +133,18 @@ pub struct RedisFlags {
     #[arg(long = "redis-topology-refresh", env = "RL_REDIS_TOPOLOGY_REFRESH", help = help("How often a cluster's slot map is re-read (per-node metrics follow it)", "redis.topology_refresh"))]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub topology_refresh: Option<String>,
+    /// PEM CA certificates trusted by rediss:// connections instead of the system's roots [default: none: the system's roots]
+    #[arg(long = "redis-tls-ca-file", env = "RL_REDIS_TLS_CA_FILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_ca_file: Option<String>,
+    /// A PEM client certificate for rediss:// servers that ask for one (with --redis-tls-client-key) [default: none]
+    #[arg(long = "redis-tls-client-cert", env = "RL_REDIS_TLS_CLIENT_CERT")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_client_cert: Option<String>,
+    /// The client certificate's PEM private key [default: none]
+    #[arg(long = "redis-tls-client-key", env = "RL_REDIS_TLS_CLIENT_KEY")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_client_key: Option<String>,
 }
 
 /// `[failure]` flags.

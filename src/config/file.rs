@@ -83,6 +83,13 @@ pub struct RedisFile {
     pub ttl_margin: String,
     /// How often a cluster's slot map is re-read.
     pub topology_refresh: String,
+    /// PEM CA certificates trusted by `rediss://` connections (`None`: the
+    /// system's roots).
+    pub tls_ca_file: Option<String>,
+    /// A PEM client certificate, for servers that ask for one.
+    pub tls_client_cert: Option<String>,
+    /// The client certificate's PEM private key.
+    pub tls_client_key: Option<String>,
 }
 
 /// `[failure]`.
@@ -233,6 +240,9 @@ impl Default for Settings {
                 retries: 1,
                 ttl_margin: "1s".into(),
                 topology_refresh: "1s".into(),
+                tls_ca_file: None,
+                tls_client_cert: None,
+                tls_client_key: None,
             },
             failure: FailureFile {
                 mode: FailureMode::Local,

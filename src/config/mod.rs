@@ -16,7 +16,7 @@
 //! | `near_limit_fraction` | `--near-limit-fraction` / `RL_NEAR_LIMIT_FRACTION` | `0.2` |
 //! | `memory.max_keys` | `--memory-max-keys` / `RL_MEMORY_MAX_KEYS` | `1000000` |
 //! | `memory.shards` | `--memory-shards` / `RL_MEMORY_SHARDS` | `64` |
-//! | `redis.url` | `--redis-url` / `RL_REDIS_URL` | `redis://127.0.0.1:6379` |
+//! | `redis.url` | `--redis-url` / `RL_REDIS_URL` | `redis://127.0.0.1:6379` (`rediss://` for TLS; credentials in the URL) |
 //! | `redis.cluster` | `--redis-cluster` (repeatable seed URL) / `RL_REDIS_CLUSTER` (comma separated) | none: standalone |
 //! | `redis.prefix` | `--redis-prefix` / `RL_REDIS_PREFIX` | `rl:` |
 //! | `redis.connect_timeout` | `--redis-connect-timeout` / `RL_REDIS_CONNECT_TIMEOUT` | `200ms` |
@@ -24,6 +24,9 @@
 //! | `redis.retries` | `--redis-retries` / `RL_REDIS_RETRIES` | `1` |
 //! | `redis.ttl_margin` | `--redis-ttl-margin` / `RL_REDIS_TTL_MARGIN` | `1s` |
 //! | `redis.topology_refresh` | `--redis-topology-refresh` / `RL_REDIS_TOPOLOGY_REFRESH` | `1s` |
+//! | `redis.tls_ca_file` | `--redis-tls-ca-file` / `RL_REDIS_TLS_CA_FILE` | none: `rediss://` trusts the system's roots |
+//! | `redis.tls_client_cert` | `--redis-tls-client-cert` / `RL_REDIS_TLS_CLIENT_CERT` | none: no client certificate |
+//! | `redis.tls_client_key` | `--redis-tls-client-key` / `RL_REDIS_TLS_CLIENT_KEY` | none |
 //! | `failure.mode` | `--failure-mode` / `RL_FAILURE_MODE` | `local` (`open`, `closed`, `local`; per policy: `failure_mode`) |
 //! | `failure.deadline` | `--failure-deadline` / `RL_FAILURE_DEADLINE` | `10ms` |
 //! | `failure.instances` | `--failure-instances` / `RL_FAILURE_INSTANCES` | `1` |

@@ -109,7 +109,9 @@ fn periods_parse() {
 }
 
 /// Every file in tests/fixtures/bad-config starts with `# field: <name>` and
-/// must be refused with an error that names that field.
+/// must be refused with an error that names that field; a `# error: <text>`
+/// line next says what else the error must say (for a refusal that could
+/// name the right field for a wrong reason).
 #[test]
 fn each_bad_config_fixture_is_refused_naming_its_field() {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/bad-config");
@@ -132,6 +134,17 @@ fn each_bad_config_fixture_is_refused_naming_its_field() {
             "{}: error {err:?} does not name {field:?}",
             path.display()
         );
+        if let Some(says) = text
+            .lines()
+            .nth(1)
+            .and_then(|l| l.strip_prefix("# error: "))
+        {
+            assert!(
+                err.contains(says.trim()),
+                "{}: error {err:?} does not say {says:?}",
+                path.display()
+            );
+        }
         checked += 1;
     }
     assert!(checked >= 15, "only {checked} fixtures found");

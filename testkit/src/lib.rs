@@ -13,14 +13,16 @@
 //! - [`otlp`]: a real OTLP trace receiver (gRPC and HTTP/protobuf) that
 //!   keeps the spans it is sent;
 //! - [`stack`]: the native stack (`scripts/stack`) on free ports, stopped
-//!   on drop.
+//!   on drop;
+//! - [`tls`]: a test PKI made with `openssl` (a CA, server and client
+//!   certificates), for `redis-server` over TLS.
 //!
 //! It does not depend on the service crate: it starts programs by path, so
 //! the service's own tests and the load tool use it alike. Fakes of the
 //! service's traits stay in the service crate's tests.
 //!
 //! Everything here needs the binaries (Debian: `redis-server`,
-//! `redis-tools`); `.ci/run` installs them.
+//! `redis-tools`, `openssl`); `.ci/run` installs them.
 
 pub mod cgroup;
 pub mod fleet;
@@ -28,6 +30,7 @@ pub mod otlp;
 pub mod process;
 pub mod redis;
 pub mod stack;
+pub mod tls;
 
 pub use cgroup::CpuLimit;
 pub use fleet::{Fleet, Tally, hammer};
@@ -35,3 +38,4 @@ pub use otlp::{OtlpReceiver, ReceivedSpan};
 pub use process::{ChildGuard, TempDir, free_port, free_port_block, wait_for_port};
 pub use redis::{RedisCluster, RedisServer, redis_cli};
 pub use stack::NativeStack;
+pub use tls::TestCerts;

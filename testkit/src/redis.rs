@@ -1,7 +1,9 @@
-//! `redis-server` processes: standalone, or three masters made a cluster.
+//! `redis-server` processes: standalone, or three masters made a cluster,
+//! over plain TCP or TLS only.
 
 use crate::cgroup::CpuLimit;
 use crate::process::{ChildGuard, TempDir, free_port, wait_for_port};
+use crate::tls::TestCerts;
 use anyhow::{Context, bail, ensure};
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
@@ -22,7 +24,48 @@ pub struct RedisServer {
     cpu_limit: Option<CpuLimit>,
     pin: Option<usize>,
     extra: Vec<String>,
+    tls: Option<ServerTls>,
     dir: TempDir,
+}
+
+/// How a TLS-only server is started and how redis-cli reaches it.
+#[derive(Debug, Clone)]
+struct ServerTls {
+    /// `--tls-port`, the certificate, key and CA, client certificates.
+    server_args: Vec<String>,
+    /// redis-cli's `--tls --cacert ...` (and a client certificate).
+    cli_args: Vec<String>,
+}
+
+impl ServerTls {
+    fn new(certs: &TestCerts, client_auth: bool) -> Self {
+        let path = |p: &std::path::Path| p.display().to_string();
+        let mut server_args = vec![
+            "--tls-cert-file".into(),
+            path(&certs.server_cert),
+            "--tls-key-file".into(),
+            path(&certs.server_key),
+            "--tls-ca-cert-file".into(),
+            path(&certs.ca),
+            "--tls-auth-clients".into(),
+            if client_auth { "yes" } else { "no" }.into(),
+        ];
+        // A cluster's bus and replication speak TLS too (harmless alone).
+        server_args.extend(["--tls-cluster", "yes", "--tls-replication", "yes"].map(String::from));
+        let mut cli_args = vec!["--tls".into(), "--cacert".into(), path(&certs.ca)];
+        if client_auth {
+            cli_args.extend([
+                "--cert".into(),
+                path(&certs.client_cert),
+                "--key".into(),
+                path(&certs.client_key),
+            ]);
+        }
+        Self {
+            server_args,
+            cli_args,
+        }
+    }
 }
 
 impl RedisServer {
@@ -47,17 +90,44 @@ impl RedisServer {
         Self::launch(free_port()?, &[], Some(cpu))
     }
 
+    /// On a free port that speaks TLS only (`rediss://`), with `certs`'
+    /// server certificate; with `client_auth`, clients must show one the
+    /// CA signed. redis-cli ([`RedisServer::cli`]) speaks TLS to it.
+    pub fn start_tls(certs: &TestCerts, client_auth: bool, extra: &[&str]) -> anyhow::Result<Self> {
+        Self::launch_tls(
+            free_port()?,
+            extra,
+            Some(ServerTls::new(certs, client_auth)),
+        )
+    }
+
     fn launch(port: u16, extra: &[&str], pin: Option<usize>) -> anyhow::Result<Self> {
-        let mut server = Self {
+        let mut server = Self::new(port, extra, pin, None)?;
+        server.spawn()?;
+        Ok(server)
+    }
+
+    fn launch_tls(port: u16, extra: &[&str], tls: Option<ServerTls>) -> anyhow::Result<Self> {
+        let mut server = Self::new(port, extra, None, tls)?;
+        server.spawn()?;
+        Ok(server)
+    }
+
+    fn new(
+        port: u16,
+        extra: &[&str],
+        pin: Option<usize>,
+        tls: Option<ServerTls>,
+    ) -> anyhow::Result<Self> {
+        Ok(Self {
             port,
             child: None,
             cpu_limit: None,
             pin,
             extra: extra.iter().map(|s| (*s).to_owned()).collect(),
+            tls,
             dir: TempDir::new(&format!("redis-{port}"))?,
-        };
-        server.spawn()?;
-        Ok(server)
+        })
     }
 
     fn spawn(&mut self) -> anyhow::Result<()> {
@@ -69,8 +139,16 @@ impl RedisServer {
             }
             None => Command::new("redis-server"),
         };
+        let port = self.port.to_string();
+        match &self.tls {
+            None => command.args(["--port", &port]),
+            // The plaintext port off: nothing reaches it without TLS.
+            Some(tls) => command
+                .args(["--port", "0", "--tls-port", &port])
+                .args(&tls.server_args),
+        };
         let child = command
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
             .arg("--dir")
             .arg(&self.dir.0)
@@ -87,9 +165,14 @@ impl RedisServer {
         wait_for_port(self.port, "redis-server")
     }
 
-    /// `redis://127.0.0.1:<port>`.
+    /// `redis://127.0.0.1:<port>` (`rediss://` if it speaks TLS).
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        let scheme = if self.tls.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
+        format!("{scheme}://127.0.0.1:{}", self.port)
     }
 
     /// The server's process id, while it runs.
@@ -97,9 +180,13 @@ impl RedisServer {
         self.child.as_ref().map(ChildGuard::pid)
     }
 
-    /// Runs a redis-cli command against this server; its output.
+    /// Runs a redis-cli command against this server (over TLS if it speaks
+    /// TLS); its output. Options such as `--user` may precede the command.
     pub fn cli(&self, args: &[&str]) -> anyhow::Result<String> {
-        redis_cli(self.port, args)
+        let tls = self.tls.as_ref().map_or(&[][..], |t| &t.cli_args[..]);
+        let mut all: Vec<&str> = tls.iter().map(String::as_str).collect();
+        all.extend(args);
+        redis_cli(self.port, &all)
     }
 
     fn signal(&self, signal: Signal) -> anyhow::Result<()> {
@@ -191,14 +278,23 @@ impl RedisCluster {
 
     /// On given ports.
     pub fn start_on(ports: [u16; 3]) -> anyhow::Result<Self> {
+        Self::launch(ports, None)
+    }
+
+    /// On free ports, speaking TLS only: to clients, and between nodes.
+    pub fn start_tls(certs: &TestCerts) -> anyhow::Result<Self> {
+        let base = crate::process::free_port_block(3, true)?;
+        Self::launch(
+            [base, base + 1, base + 2],
+            Some(ServerTls::new(certs, false)),
+        )
+    }
+
+    fn launch(ports: [u16; 3], tls: Option<ServerTls>) -> anyhow::Result<Self> {
+        let args = ["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"];
         let nodes = ports
             .iter()
-            .map(|&port| {
-                RedisServer::start_on(
-                    port,
-                    &["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"],
-                )
-            })
+            .map(|&port| RedisServer::launch_tls(port, &args, tls.clone()))
             .collect::<anyhow::Result<Vec<_>>>()?;
         let addresses: Vec<String> = nodes
             .iter()
@@ -207,7 +303,7 @@ impl RedisCluster {
         let mut args = vec!["--cluster", "create"];
         args.extend(addresses.iter().map(String::as_str));
         args.extend(["--cluster-replicas", "0", "--cluster-yes"]);
-        redis_cli(nodes[0].port, &args)?;
+        nodes[0].cli(&args)?;
         // Wait until every node agrees the cluster is up.
         let deadline = Instant::now() + Duration::from_secs(20);
         for node in &nodes {

@@ -22,15 +22,18 @@
 //! a `ConnectionManager` that reconnects) or a cluster connection; concurrent
 //! checks are pipelined on it. Timeouts and retries are set for a request
 //! path: the client defaults (500 ms response timeout, 6 retries) would stall
-//! every request behind a sick Redis.
+//! every request behind a sick Redis. `rediss://` URLs connect over TLS
+//! ([`tls`]); credentials come in the URL (`rediss://user:password@host`).
 
 mod call;
 mod lua;
 mod naive;
+pub mod tls;
 pub mod topology;
 
 pub use lua::LuaStore;
 pub use naive::{NaiveStore, decode_state, encode_state};
+pub use tls::{ClientIdentity, RedisTls};
 pub use topology::{Node, Topology};
 
 use super::StoreError;
@@ -47,7 +50,8 @@ use tokio::sync::OnceCell;
 /// How to reach Redis.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedisSettings {
-    /// `redis://host:port[/db]` for standalone, or the seed nodes of a cluster.
+    /// `redis://host:port[/db]` for standalone, or the seed nodes of a
+    /// cluster; `rediss://` for TLS.
     pub urls: Vec<String>,
     /// Whether `urls` are cluster seed nodes.
     pub cluster: bool,
@@ -63,6 +67,8 @@ pub struct RedisSettings {
     pub ttl_margin: Duration,
     /// How often a cluster's slot map is re-read (see [`topology`]).
     pub topology_refresh: Duration,
+    /// What TLS connections trust and show (with `rediss://` URLs).
+    pub tls: RedisTls,
 }
 
 /// A standalone or cluster connection; both pipeline concurrent callers.
@@ -188,20 +194,46 @@ pub fn connection_info(url: &str) -> redis::RedisResult<redis::ConnectionInfo> {
     Ok(url.into_connection_info()?.set_tcp_settings(tcp_settings()))
 }
 
+/// Whether `url` connects over TLS, once it is known to be a URL the
+/// service can use: `redis://` or `rediss://`, parseable, with certificate
+/// checks on. The error says what is wrong without repeating the URL,
+/// which may carry a password.
+pub fn check_url(url: &str) -> Result<bool, String> {
+    if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
+        return Err("is not a redis:// or rediss:// (TLS) URL".into());
+    }
+    let info = url
+        .into_connection_info()
+        .map_err(|e| format!("is not a valid Redis URL: {e}"))?;
+    match info.addr() {
+        redis::ConnectionAddr::TcpTls { insecure: true, .. } => Err(
+            "#insecure would turn certificate checks off; trust a private CA with redis.tls_ca_file instead"
+                .into(),
+        ),
+        redis::ConnectionAddr::TcpTls { .. } => Ok(true),
+        _ => Ok(false),
+    }
+}
+
 impl RedisConnection {
     /// Connects as `settings` say, lazily: the first command connects (and
     /// a failed attempt is retried by a later command), so the service
     /// starts while Redis is away. Only invalid settings fail here.
     pub async fn connect(settings: &RedisSettings) -> Result<Self, RedisError> {
+        tls::install_crypto_provider();
+        let certificates = settings.tls.certificates();
         if settings.cluster {
-            let client = redis::cluster::ClusterClientBuilder::new(settings.urls.clone())
+            let mut builder = redis::cluster::ClusterClientBuilder::new(settings.urls.clone())
                 .connection_timeout(settings.connect_timeout)
                 .response_timeout(settings.response_timeout)
                 .retries(settings.retries)
                 .min_retry_wait(1)
                 .max_retry_wait(50)
-                .tcp_settings(tcp_settings())
-                .build()?;
+                .tcp_settings(tcp_settings());
+            if let Some(certificates) = certificates {
+                builder = builder.certs(certificates);
+            }
+            let client = builder.build()?;
             let link = Link::Cluster(LazyCluster {
                 shared: Arc::new((client, OnceCell::new())),
             });
@@ -222,7 +254,11 @@ impl RedisConnection {
                 .first()
                 .map(String::as_str)
                 .unwrap_or("redis://127.0.0.1:6379");
-            let client = redis::Client::open(connection_info(url)?)?;
+            let info = connection_info(url)?;
+            let client = match certificates {
+                Some(certificates) => redis::Client::build_with_tls(info, certificates)?,
+                None => redis::Client::open(info)?,
+            };
             let config = ConnectionManagerConfig::new()
                 .set_connection_timeout(Some(settings.connect_timeout))
                 .set_response_timeout(Some(settings.response_timeout))
