@@ -266,7 +266,8 @@ impl Limiter {
         let now = self.clock.now();
         let check = Check::new(key, limit, policy.cost, now)
             .on_failure(policy.failure_mode)
-            .with_deny_cache(policy.deny_cache);
+            .with_deny_cache(policy.deny_cache)
+            .with_lease(policy.lease);
         // Never the key itself, nor the address or credential behind it.
         let span = tracing::info_span!(
             target: TARGET,

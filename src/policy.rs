@@ -31,6 +31,9 @@ pub struct Policy {
     /// Answer 429 in the instance while a denial from the store holds
     /// (see [`crate::mitigation::DenyCache`]).
     pub deny_cache: bool,
+    /// Tokens an instance leases at once (0: none; see
+    /// [`crate::mitigation::Leases`]).
+    pub lease: u64,
 }
 
 /// A route policy, resolved: shared by every request it applies to.
@@ -51,6 +54,8 @@ pub struct RoutePolicy {
     pub shadow: bool,
     /// Whether denials are cached in the instance.
     pub deny_cache: bool,
+    /// Tokens leased at once (0: none).
+    pub lease: u64,
 }
 
 impl RoutePolicy {
@@ -65,6 +70,7 @@ impl RoutePolicy {
             failure_mode: p.failure_mode.unwrap_or(default_mode),
             shadow: p.shadow,
             deny_cache: p.deny_cache,
+            lease: p.lease,
         }
     }
 

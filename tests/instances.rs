@@ -9,6 +9,11 @@ const BUDGET: usize = 100;
 
 /// Three instances with `flags`, sharing one config (and its directory).
 fn start_fleet(flags: &[&str]) -> (Fleet, TempDir) {
+    start_fleet_with(flags, "")
+}
+
+/// The same, with `policy` added to the policy's lines.
+fn start_fleet_with(flags: &[&str], policy: &str) -> (Fleet, TempDir) {
     let dir = TempDir::new("fleet").unwrap();
     let config = dir.join("c.toml");
     // No refill during the test (1 token an hour): the budget is the burst.
@@ -16,7 +21,7 @@ fn start_fleet(flags: &[&str]) -> (Fleet, TempDir) {
         &config,
         format!(
             "key_secret = \"instances-test-secret\"\n[[api_keys]]\nid = \"victim\"\nkey = \"k\"\n\
-             [[policies]]\nname = \"api\"\nroute = \"/api/\"\nburst = {BUDGET}\nrate = 1\nper = \"1h\"\n"
+             [[policies]]\nname = \"api\"\nroute = \"/api/\"\nburst = {BUDGET}\nrate = 1\nper = \"1h\"\n{policy}\n"
         ),
     )
     .unwrap();
@@ -80,6 +85,61 @@ async fn three_lua_instances_on_a_redis_cluster_admit_exactly_the_budget() {
     }
     let (fleet, _dir) = start_fleet(&flags);
     assert_eq!(admitted(&fleet, 6 * BUDGET).await, BUDGET);
+}
+
+/// Token leases across real processes: each instance takes 10 tokens in
+/// one call and spends them locally; whatever the interleaving of 32
+/// clients over three instances, the fleet never admits more than the one
+/// bucket holds, it leaves at most each instance's unspent lease unused,
+/// and admissions are spent from leases.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_lua_instances_with_leases_never_admit_more_than_the_budget() {
+    let redis = RedisServer::start().unwrap();
+    let (fleet, _dir) = start_fleet_with(
+        &[
+            "--backend",
+            "lua",
+            "--redis-url",
+            &redis.url(),
+            "--failure-instances",
+            "3",
+        ],
+        "lease = 10",
+    );
+    // As many requests as the budget: some spent from leases (how many
+    // depends on the interleaving: a request that arrives while its
+    // instance is taking a lease goes alone).
+    let first = admitted(&fleet, BUDGET).await;
+    let mut from_leases = 0.0;
+    for url in &fleet.urls {
+        let text = reqwest::get(format!("{url}/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        from_leases += text
+            .lines()
+            .filter(|l| {
+                l.starts_with("ratelimit_decisions_total{") && l.contains("source=\"lease\"")
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>();
+    }
+    assert!(
+        from_leases > 0.0,
+        "no admission of {first} was spent from a lease"
+    );
+    // Then far more than the budget.
+    let admitted = first + admitted(&fleet, 5 * BUDGET).await;
+    assert!(
+        admitted <= BUDGET,
+        "{admitted} admitted of a bucket of {BUDGET}"
+    );
+    assert!(
+        admitted >= BUDGET - 3 * 9,
+        "{admitted}: more left unused than three unspent leases"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

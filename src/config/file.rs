@@ -210,6 +210,9 @@ pub struct PolicyFile {
     /// Answer 429 locally while a denial from the store holds.
     #[serde(default)]
     pub deny_cache: bool,
+    /// Tokens an instance takes at once and spends locally (0: none).
+    #[serde(default)]
+    pub lease: u64,
 }
 
 impl Default for Settings {
@@ -293,6 +296,7 @@ impl Default for Settings {
                 algorithm: None,
                 shadow: false,
                 deny_cache: false,
+                lease: 0,
             }],
         }
     }

@@ -347,3 +347,29 @@ fn trusted_ranges_wider_than_the_threshold_are_named() {
     .unwrap();
     assert!(Config::load(cli).unwrap().wide_trusted_ranges().is_empty());
 }
+
+#[test]
+fn a_lease_that_could_never_be_held_or_kept_exactly_is_refused() {
+    let policy = |extra: &str| {
+        format!(
+            "[failure]\ninstances = 3\n[[policies]]\nname = \"api\"\nroute = \"/api/\"\nburst = 30\nrate = 10\n{extra}\n"
+        )
+    };
+    assert_eq!(
+        Config::from_toml(&policy("lease = 9")).unwrap().policies[0].lease,
+        9
+    );
+    for (extra, why) in [
+        ("lease = 1", "at least 2"),
+        ("lease = 10", "below the burst"),
+        ("lease = 4\nalgorithm = \"gcra\"", "token_bucket"),
+    ] {
+        match Config::from_toml(&policy(extra)) {
+            Err(ConfigError::Invalid { field, message }) => {
+                assert_eq!(field, "policies[0].lease", "{extra}");
+                assert!(message.contains(why), "{extra}: {message}");
+            }
+            other => panic!("{extra}: {other:?}"),
+        }
+    }
+}

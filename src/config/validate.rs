@@ -100,6 +100,41 @@ pub(super) fn validate(s: Settings) -> Result<Config, ConfigError> {
     }
     let api_keys = api_keys(s.api_keys)?;
     let policies = policies(s.policies, backend)?;
+    // A lease must be able to live: the fleet's leases fit under the burst.
+    for (i, p) in policies.iter().enumerate() {
+        if p.lease == 0 {
+            continue;
+        }
+        let field = format!("policies[{i}].lease");
+        if p.lease == 1 {
+            return Err(invalid(
+                field,
+                "must be 0 (off) or at least 2: a lease of one token is a plain check",
+            ));
+        }
+        for limit in [p.limit, p.anonymous].into_iter().flatten() {
+            if limit.algorithm() != Algorithm::TokenBucket {
+                return Err(invalid(
+                    field,
+                    format!(
+                        "leases need algorithm token_bucket, not {}",
+                        limit.algorithm().as_str()
+                    ),
+                ));
+            }
+            if p.lease.saturating_mul(failover.instances) >= limit.burst() {
+                return Err(invalid(
+                    field,
+                    format!(
+                        "{} instances (failure.instances) x lease {} must stay below the burst {}: leases held by the whole fleet must fit in one bucket",
+                        failover.instances,
+                        p.lease,
+                        limit.burst()
+                    ),
+                ));
+            }
+        }
+    }
     // Every policy's local share must be a limit the service can keep.
     for (i, p) in policies.iter().enumerate() {
         for limit in [p.limit, p.anonymous].into_iter().flatten() {
@@ -497,10 +532,11 @@ fn policies(list: Vec<PolicyFile>, backend: Backend) -> Result<Vec<Policy>, Conf
                 || p.algorithm.is_some()
                 || p.shadow
                 || p.deny_cache
+                || p.lease > 0
             {
                 return Err(invalid(
                     &field,
-                    "an unlimited policy takes no burst, rate, cost, anonymous limit, failure_mode, algorithm, shadow or deny_cache",
+                    "an unlimited policy takes no burst, rate, cost, anonymous limit, failure_mode, algorithm, shadow, deny_cache or lease",
                 ));
             }
             (None, None)
@@ -570,6 +606,7 @@ fn policies(list: Vec<PolicyFile>, backend: Backend) -> Result<Vec<Policy>, Conf
             failure_mode: p.failure_mode,
             shadow: p.shadow,
             deny_cache: p.deny_cache,
+            lease: p.lease,
         });
     }
     Ok(out)

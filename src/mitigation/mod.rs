@@ -6,11 +6,15 @@
 //!   instance until that denial's `retry_after`, without a call. For a key
 //!   that is over its limit (an abusive tenant, a client bug, everyone
 //!   behind one address).
+//! - [`Leases`]: an instance takes N tokens in one call and spends them
+//!   locally. For a key that is admitted, and hot.
 //!
 //! [`Store`]: crate::store::Store
 
 mod deny_cache;
+mod leases;
 #[cfg(test)]
 mod tests;
 
 pub use deny_cache::DenyCache;
+pub use leases::{Leases, lease_life};

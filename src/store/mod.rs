@@ -10,8 +10,8 @@
 //! (`server.rs`) and each stays a room of its own:
 //!
 //! ```text
-//! DenyCache<Failover<Counted<Deadline<LuaStore>>>>   (backend lua or naive)
-//! DenyCache<Counted<MemoryStore>>                    (backend memory)
+//! DenyCache<Leases<Failover<Counted<Deadline<LuaStore>>>>>   (backend lua or naive)
+//! DenyCache<Leases<Counted<MemoryStore>>>                    (backend memory)
 //! ```
 //!
 //! - [`MemoryStore`], [`LuaStore`], [`NaiveStore`]: the backends;
@@ -91,6 +91,9 @@ pub struct Check {
     /// Whether a deny cache above may answer this check from a denial it
     /// holds (the policy's `deny_cache`).
     pub deny_cache: bool,
+    /// Tokens a lease layer above may take at once for this key (the
+    /// policy's `lease`; 0: no leases).
+    pub lease: u64,
 }
 
 impl Check {
@@ -105,12 +108,18 @@ impl Check {
             on_failure: FailureMode::default(),
             ceiling: None,
             deny_cache: false,
+            lease: 0,
         }
     }
 
     /// The same check with another failure mode.
     pub fn on_failure(self, on_failure: FailureMode) -> Self {
         Self { on_failure, ..self }
+    }
+
+    /// The same check, leasing `lease` tokens at a time (0: not).
+    pub fn with_lease(self, lease: u64) -> Self {
+        Self { lease, ..self }
     }
 
     /// The same check, answerable by a deny cache or not.
@@ -138,6 +147,8 @@ pub enum Source {
     /// This instance's deny cache: the store denied this key, and that
     /// denial still holds.
     DenyCache,
+    /// Tokens this instance leased from the shared bucket.
+    Lease,
 }
 
 impl Source {
@@ -149,6 +160,7 @@ impl Source {
             Source::Local => "local",
             Source::FailOpen => "failopen",
             Source::DenyCache => "deny_cache",
+            Source::Lease => "lease",
         }
     }
 }
