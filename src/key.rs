@@ -34,21 +34,35 @@ impl BucketKey {
 pub const SLOTS: usize = 16_384;
 
 /// The Redis Cluster slot of a hash tag: CRC16 (XMODEM: polynomial 0x1021,
-/// initial 0) mod 16384, as the cluster hashes.
+/// initial 0) mod 16384, as the cluster hashes. Table-driven: the hot-key
+/// detector and key sharding compute slots on the request path.
 pub fn cluster_slot(tag: &[u8]) -> u16 {
-    let mut crc: u16 = 0;
-    for &b in tag {
-        crc ^= u16::from(b) << 8;
-        for _ in 0..8 {
+    let crc = tag.iter().fold(0u16, |crc, &b| {
+        (crc << 8) ^ CRC16[usize::from((crc >> 8) as u8 ^ b)]
+    });
+    crc % SLOTS as u16
+}
+
+/// CRC16/XMODEM of each byte value.
+const CRC16: [u16; 256] = {
+    let mut table = [0u16; 256];
+    let mut i = 0;
+    while i < 256 {
+        let mut crc = (i as u16) << 8;
+        let mut bit = 0;
+        while bit < 8 {
             crc = if crc & 0x8000 != 0 {
                 (crc << 1) ^ 0x1021
             } else {
                 crc << 1
             };
+            bit += 1;
         }
+        table[i] = crc;
+        i += 1;
     }
-    crc % SLOTS as u16
-}
+    table
+};
 
 impl fmt::Debug for BucketKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -267,7 +267,8 @@ impl Limiter {
         let check = Check::new(key, limit, policy.cost, now)
             .on_failure(policy.failure_mode)
             .with_deny_cache(policy.deny_cache)
-            .with_lease(policy.lease);
+            .with_lease(policy.lease)
+            .with_shards(policy.shards_for(&identity));
         // Never the key itself, nor the address or credential behind it.
         let span = tracing::info_span!(
             target: TARGET,
@@ -305,7 +306,15 @@ impl Limiter {
                     ..
                 })
             );
-            hot.record(now, key, &policy.name, kind, &identity, store_call);
+            // A sharded key is tracked by the sub-bucket the store served:
+            // its slot and node are where the load went.
+            let served = match &result {
+                Ok(Checked {
+                    shard: Some(sub), ..
+                }) => *sub,
+                _ => key,
+            };
+            hot.record(now, served, &policy.name, kind, &identity, store_call);
         }
         let count = |verdict: &'static str| {
             span.record("ratelimit.decision", verdict);

@@ -3,6 +3,7 @@
 //! [`crate::limiter`].
 
 use crate::algorithm::Limit;
+use crate::identity::Identity;
 use crate::key::KeyKind;
 use crate::store::FailureMode;
 use http::Method;
@@ -34,6 +35,12 @@ pub struct Policy {
     /// Tokens an instance leases at once (0: none; see
     /// [`crate::mitigation::Leases`]).
     pub lease: u64,
+    /// Sub-buckets each key is split over (1: none; see
+    /// [`crate::mitigation::Sharded`]).
+    pub shards: u16,
+    /// The keys split, by API key id or client address (empty: every key
+    /// of the policy).
+    pub shard_keys: Vec<String>,
 }
 
 /// A route policy, resolved: shared by every request it applies to.
@@ -56,6 +63,8 @@ pub struct RoutePolicy {
     pub deny_cache: bool,
     /// Tokens leased at once (0: none).
     pub lease: u64,
+    shards: u16,
+    shard_keys: Vec<String>,
 }
 
 impl RoutePolicy {
@@ -71,7 +80,24 @@ impl RoutePolicy {
             shadow: p.shadow,
             deny_cache: p.deny_cache,
             lease: p.lease,
+            shards: p.shards,
+            shard_keys: p.shard_keys.clone(),
         }
+    }
+
+    /// Sub-buckets the key of `identity` is split over (1: not split).
+    pub fn shards_for(&self, identity: &Identity) -> u16 {
+        if self.shards <= 1 {
+            return 1;
+        }
+        if self.shard_keys.is_empty() {
+            return self.shards;
+        }
+        let named = match identity {
+            Identity::ApiKey(id) => self.shard_keys.iter().any(|k| k == &**id),
+            Identity::Ip(ip) => self.shard_keys.iter().any(|k| k.parse() == Ok(*ip)),
+        };
+        if named { self.shards } else { 1 }
     }
 
     /// The limit for a client identified as `kind`; `None` if unlimited.

@@ -10,7 +10,7 @@ use crate::hotkeys::HotKeys;
 use crate::identity::{ApiKeys, Identifier, KeyHasher};
 use crate::limiter::{CurrentLimiter, Limiter};
 use crate::metrics as m;
-use crate::mitigation::{DenyCache, Leases};
+use crate::mitigation::{DenyCache, Leases, Sharded};
 use crate::policy::Policies;
 use crate::store::redis::RedisConnection;
 use crate::store::{Backend, Counted, LuaStore, MemoryStore, NaiveStore, Store};
@@ -44,13 +44,18 @@ pub fn in_process_stack(store: MemoryStore) -> Stack {
 const LEASE_KEYS: usize = 100_000;
 
 /// `stack` under the mitigations (each acts only for the policies that
-/// turn it on): the deny cache outermost, so a remembered denial costs
+/// turn it on): key sharding outermost, so everything below sees one
+/// sub-bucket as any other bucket (its own denials cached, its own leases,
+/// its own local share); then the deny cache, so a remembered denial costs
 /// neither a lease, the breaker, the deadline nor a call; then the leases,
 /// above the failure policy, whose local share never pays for a lease.
 pub fn mitigated(stack: Stack, config: &Config) -> Stack {
     let leases = Leases::new(stack.store, config.failover.instances, LEASE_KEYS);
     Stack {
-        store: Arc::new(DenyCache::new(leases, config.deny_cache_max_keys)),
+        store: Arc::new(Sharded::new(DenyCache::new(
+            leases,
+            config.deny_cache_max_keys,
+        ))),
         breaker: stack.breaker,
     }
 }

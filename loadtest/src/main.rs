@@ -29,6 +29,7 @@ mod compare;
 mod drill;
 mod instances;
 mod luabench;
+mod mitigations;
 mod outage;
 mod prom;
 mod proxy;
@@ -70,6 +71,10 @@ enum Command {
     /// instances mistrust nginx), mitigated (deny cache), fixed; measured
     /// with the dashboard's own queries.
     Drill(drill::DrillArgs),
+    /// The hot-key mitigations on real Redis: false denials, over-admission
+    /// and Redis calls per admission against one exact bucket; a sharded
+    /// key's throughput on a CPU-capped cluster.
+    Mitigations(mitigations::MitigationsArgs),
     /// Where the Redis round trip, not the application, bounds one
     /// instance: offered load stepped up, 0-2 ms added to each round trip,
     /// beside no limiter and the memory limiter.
@@ -195,6 +200,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
             );
         }
         Command::LuaBench(args) => luabench::run(args).await?,
+        Command::Mitigations(args) => mitigations::run(args).await?,
         Command::Compare(args) => {
             compare::run(args).await?;
         }

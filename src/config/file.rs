@@ -213,6 +213,11 @@ pub struct PolicyFile {
     /// Tokens an instance takes at once and spends locally (0: none).
     #[serde(default)]
     pub lease: u64,
+    /// Sub-buckets each key is split over (default 1: none).
+    pub shards: Option<u16>,
+    /// Only these keys are split: API key ids or client addresses.
+    #[serde(default)]
+    pub shard_keys: Vec<String>,
 }
 
 impl Default for Settings {
@@ -297,6 +302,8 @@ impl Default for Settings {
                 shadow: false,
                 deny_cache: false,
                 lease: 0,
+                shards: None,
+                shard_keys: Vec::new(),
             }],
         }
     }

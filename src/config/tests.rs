@@ -373,3 +373,82 @@ fn a_lease_that_could_never_be_held_or_kept_exactly_is_refused() {
         }
     }
 }
+
+#[test]
+fn a_split_the_sub_buckets_cannot_keep_or_of_unknown_keys_is_refused() {
+    let policy = |extra: &str| {
+        format!(
+            "ipv6_prefix = 48\n[failure]\ninstances = 3\n[[api_keys]]\nid = \"tenant-08\"\nkey = \"demo-key-08\"\n[[policies]]\nname = \"api\"\nroute = \"/api/\"\nburst = 30\nrate = 10\n{extra}\n"
+        )
+    };
+    let config = Config::from_toml(&policy(
+        "shards = 3\nshard_keys = [\"tenant-08\", \"::ffff:10.0.0.1\", \"2001:db8:1:2::9\"]",
+    ))
+    .unwrap();
+    assert_eq!(config.policies[0].shards, 3);
+    // Addresses as the limiter keys them: a mapped IPv4 as IPv4, IPv6 by
+    // its prefix.
+    assert_eq!(
+        config.policies[0].shard_keys,
+        ["tenant-08", "10.0.0.1", "2001:db8:1::"]
+    );
+    assert_eq!(
+        Config::from_toml(&policy("")).unwrap().policies[0].shards,
+        1
+    );
+    assert_eq!(
+        Config::from_toml(&policy("shards = 2\nlease = 4"))
+            .unwrap()
+            .policies[0]
+            .lease,
+        4
+    );
+    for (extra, field, why) in [
+        ("shards = 0", "policies[0].shards", "from 1"),
+        ("shards = 17", "policies[0].shards", "to 16"),
+        (
+            "shards = 2\nalgorithm = \"fixed_window\"",
+            "policies[0].shards",
+            "token_bucket or gcra",
+        ),
+        (
+            "shards = 16\ncost = 2",
+            "policies[0].shards",
+            "below the cost 2",
+        ),
+        (
+            "shards = 2\nanonymous = { burst = 3, rate = 1 }\ncost = 2",
+            "policies[0].shards",
+            "leaves 1 tokens",
+        ),
+        (
+            "shard_keys = [\"tenant-08\"]",
+            "policies[0].shard_keys",
+            "set shards too",
+        ),
+        (
+            "shards = 2\nshard_keys = [\"tenant-8\"]",
+            "policies[0].shard_keys[0]",
+            "neither a client address nor a configured api_keys id",
+        ),
+        // 3 x 5 fits the burst 30, not a sub-bucket's 15.
+        (
+            "shards = 2\nlease = 5",
+            "policies[0].lease",
+            "sub-bucket's burst 15",
+        ),
+    ] {
+        match Config::from_toml(&policy(extra)) {
+            Err(ConfigError::Invalid { field: f, message }) => {
+                assert_eq!(f, field, "{extra}");
+                assert!(message.contains(why), "{extra}: {message}");
+            }
+            other => panic!("{extra}: {other:?}"),
+        }
+    }
+    let unlimited = "[[policies]]\nname = \"s\"\nroute = \"/s\"\nunlimited = true\nshards = 2\n";
+    assert!(matches!(
+        Config::from_toml(unlimited),
+        Err(ConfigError::Invalid { message, .. }) if message.contains("shards")
+    ));
+}

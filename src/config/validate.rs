@@ -13,11 +13,13 @@ use crate::algorithm::{Algorithm, Limit, LimitError};
 use crate::failover::{FailoverSettings, try_share};
 use crate::hotkeys::HotKeySettings;
 use crate::identity::{ApiKeys, valid_key};
+use crate::mitigation::{MAX_SHARDS, shard_limit};
 use crate::policy::Policy;
 use crate::store::Backend;
 use crate::store::redis::tls::{self, IdentityError};
 use crate::store::redis::{ClientIdentity, RedisSettings, RedisTls, check_url};
 use crate::telemetry::TracingSettings;
+use std::net::{IpAddr, Ipv6Addr};
 use std::time::Duration;
 
 fn invalid(field: impl Into<String>, message: impl std::fmt::Display) -> ConfigError {
@@ -99,7 +101,10 @@ pub(super) fn validate(s: Settings) -> Result<Config, ConfigError> {
         ));
     }
     let api_keys = api_keys(s.api_keys)?;
-    let policies = policies(s.policies, backend)?;
+    let mut policies = policies(s.policies, backend)?;
+    for (i, p) in policies.iter_mut().enumerate() {
+        shards(i, p, &api_keys, s.ipv6_prefix)?;
+    }
     // A lease must be able to live: the fleet's leases fit under the burst.
     for (i, p) in policies.iter().enumerate() {
         if p.lease == 0 {
@@ -122,14 +127,19 @@ pub(super) fn validate(s: Settings) -> Result<Config, ConfigError> {
                     ),
                 ));
             }
-            if p.lease.saturating_mul(failover.instances) >= limit.burst() {
+            // A sharded key leases from each sub-bucket.
+            let burst = limit.burst() / u64::from(p.shards);
+            if p.lease.saturating_mul(failover.instances) >= burst {
+                let what = if p.shards > 1 {
+                    format!("a sub-bucket's burst {burst} (burst / shards)")
+                } else {
+                    format!("the burst {burst}")
+                };
                 return Err(invalid(
                     field,
                     format!(
-                        "{} instances (failure.instances) x lease {} must stay below the burst {}: leases held by the whole fleet must fit in one bucket",
-                        failover.instances,
-                        p.lease,
-                        limit.burst()
+                        "{} instances (failure.instances) x lease {} must stay below {what}: leases held by the whole fleet must fit in one bucket",
+                        failover.instances, p.lease,
                     ),
                 ));
             }
@@ -138,6 +148,8 @@ pub(super) fn validate(s: Settings) -> Result<Config, ConfigError> {
     // Every policy's local share must be a limit the service can keep.
     for (i, p) in policies.iter().enumerate() {
         for limit in [p.limit, p.anonymous].into_iter().flatten() {
+            // A sharded key's local share is each sub-bucket's.
+            let limit = shard_limit(&limit, p.shards).unwrap_or(limit);
             if try_share(&limit, failover.instances, p.cost).is_err() {
                 return Err(invalid(
                     "failure.instances",
@@ -168,6 +180,83 @@ pub(super) fn validate(s: Settings) -> Result<Config, ConfigError> {
         api_keys,
         policies,
     })
+}
+
+/// Key sharding on policy `i` (`shards`, `shard_keys`): a split the
+/// sub-buckets can keep, of keys that exist. Addresses are normalized as
+/// the limiter keys them (a mapped IPv4 as IPv4, IPv6 cut to its prefix).
+fn shards(
+    i: usize,
+    p: &mut Policy,
+    api_keys: &[ApiKeyConfig],
+    ipv6_prefix: u8,
+) -> Result<(), ConfigError> {
+    let field = format!("policies[{i}].shards");
+    if !(1..=MAX_SHARDS).contains(&p.shards) {
+        return Err(invalid(
+            field,
+            format!("must be from 1 (off) to {MAX_SHARDS}"),
+        ));
+    }
+    if p.shards == 1 {
+        if !p.shard_keys.is_empty() {
+            return Err(invalid(
+                format!("policies[{i}].shard_keys"),
+                "names keys to split, but shards is 1: set shards too",
+            ));
+        }
+        return Ok(());
+    }
+    for limit in [p.limit, p.anonymous].into_iter().flatten() {
+        let algorithm = limit.algorithm();
+        if !matches!(algorithm, Algorithm::TokenBucket | Algorithm::Gcra) {
+            return Err(invalid(
+                field,
+                format!(
+                    "sharding needs algorithm token_bucket or gcra, not {}: a window split in S is not a window of 1/S",
+                    algorithm.as_str()
+                ),
+            ));
+        }
+        let sub = shard_limit(&limit, p.shards).map_err(|e| {
+            invalid(
+                &field,
+                format!("burst {} split {} ways: {e}", limit.burst(), p.shards),
+            )
+        })?;
+        if sub.burst() < p.cost {
+            return Err(invalid(
+                field,
+                format!(
+                    "burst {} / shards {} leaves {} tokens a sub-bucket, below the cost {}: no request could be admitted",
+                    limit.burst(),
+                    p.shards,
+                    sub.burst(),
+                    p.cost
+                ),
+            ));
+        }
+    }
+    for (j, key) in p.shard_keys.iter_mut().enumerate() {
+        if let Ok(ip) = key.parse::<IpAddr>() {
+            let ip = match ip.to_canonical() {
+                IpAddr::V6(v6) if ipv6_prefix < 128 => {
+                    let mask = u128::MAX
+                        .checked_shl(128 - u32::from(ipv6_prefix))
+                        .unwrap_or(0);
+                    IpAddr::V6(Ipv6Addr::from(u128::from(v6) & mask))
+                }
+                ip => ip,
+            };
+            *key = ip.to_string();
+        } else if !api_keys.iter().any(|k| &k.id == key) {
+            return Err(invalid(
+                format!("policies[{i}].shard_keys[{j}]"),
+                format!("{key:?} is neither a client address nor a configured api_keys id"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Most keys the detector may track: a new key scans them all.
@@ -533,10 +622,12 @@ fn policies(list: Vec<PolicyFile>, backend: Backend) -> Result<Vec<Policy>, Conf
                 || p.shadow
                 || p.deny_cache
                 || p.lease > 0
+                || p.shards.is_some()
+                || !p.shard_keys.is_empty()
             {
                 return Err(invalid(
                     &field,
-                    "an unlimited policy takes no burst, rate, cost, anonymous limit, failure_mode, algorithm, shadow, deny_cache or lease",
+                    "an unlimited policy takes no burst, rate, cost, anonymous limit, failure_mode, algorithm, shadow, deny_cache, lease, shards or shard_keys",
                 ));
             }
             (None, None)
@@ -607,6 +698,8 @@ fn policies(list: Vec<PolicyFile>, backend: Backend) -> Result<Vec<Policy>, Conf
             shadow: p.shadow,
             deny_cache: p.deny_cache,
             lease: p.lease,
+            shards: p.shards.unwrap_or(1),
+            shard_keys: p.shard_keys,
         });
     }
     Ok(out)

@@ -187,6 +187,7 @@ impl<S> Failover<S> {
                 limit: check.limit,
                 source: Source::FailOpen,
                 bounded: false,
+                shard: None,
             }),
             FailureMode::Closed => Err(StoreError::Unavailable {
                 retry_after: self.breaker.wait().max(Duration::from_secs(1)),

@@ -8,13 +8,18 @@
 //!   behind one address).
 //! - [`Leases`]: an instance takes N tokens in one call and spends them
 //!   locally. For a key that is admitted, and hot.
+//! - [`Sharded`]: a key split over S sub-buckets on S slots (so nodes),
+//!   each with a share of the limit. For a key whose calls, however few
+//!   per request, are more than one node can serve.
 //!
 //! [`Store`]: crate::store::Store
 
 mod deny_cache;
 mod leases;
+mod shards;
 #[cfg(test)]
 mod tests;
 
 pub use deny_cache::DenyCache;
 pub use leases::{Leases, lease_life};
+pub use shards::{MAX_SHARDS, Sharded, shard_key, shard_limit};

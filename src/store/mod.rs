@@ -94,6 +94,9 @@ pub struct Check {
     /// Tokens a lease layer above may take at once for this key (the
     /// policy's `lease`; 0: no leases).
     pub lease: u64,
+    /// Sub-buckets a shard layer above splits this key over (the policy's
+    /// `shards`, for the keys it applies to; 0 or 1: not split).
+    pub shards: u16,
 }
 
 impl Check {
@@ -109,6 +112,7 @@ impl Check {
             ceiling: None,
             deny_cache: false,
             lease: 0,
+            shards: 1,
         }
     }
 
@@ -120,6 +124,11 @@ impl Check {
     /// The same check, leasing `lease` tokens at a time (0: not).
     pub fn with_lease(self, lease: u64) -> Self {
         Self { lease, ..self }
+    }
+
+    /// The same check, split over `shards` sub-buckets (1: not).
+    pub fn with_shards(self, shards: u16) -> Self {
+        Self { shards, ..self }
     }
 
     /// The same check, answerable by a deny cache or not.
@@ -178,6 +187,9 @@ pub struct Checked {
     /// ([`Check::ceiling`]): stricter than the shared bucket alone, and only
     /// for as long as the local share lags, so not a fact to remember.
     pub bounded: bool,
+    /// The sub-bucket that decided, when the key is sharded
+    /// ([`Check::shards`]): the bucket the store was called for.
+    pub shard: Option<BucketKey>,
 }
 
 impl Checked {
@@ -188,6 +200,7 @@ impl Checked {
             limit,
             source,
             bounded: false,
+            shard: None,
         }
     }
 }
