@@ -264,3 +264,253 @@ proptest! {
         }
     }
 }
+
+/// Structured requests, as proxies and clients really send them, for the
+/// property below: address lists with trusted and untrusted hops (IPv4,
+/// IPv6, mapped IPv4, with and without ports, over several header lines),
+/// and API keys of every kind in either header.
+mod structured {
+    use super::*;
+
+    /// The trusted ranges of the identifier under test.
+    const TRUSTED: [&str; 3] = ["10.0.0.0/8", "127.0.0.1/32", "2001:db8:ffff::/48"];
+
+    fn trusted(ip: IpAddr) -> bool {
+        TRUSTED
+            .iter()
+            .any(|n| n.parse::<IpNet>().unwrap().contains(&ip.to_canonical()))
+    }
+
+    /// An address (trusted or not, of each family), and how it is written.
+    fn hop() -> impl Strategy<Value = (IpAddr, String)> {
+        let v4 = prop_oneof![
+            any::<[u8; 3]>().prop_map(|[a, b, c]| IpAddr::from([10, a, b, c])),
+            Just(ip("127.0.0.1")),
+            any::<[u8; 4]>().prop_map(IpAddr::from),
+        ];
+        let v6 = prop_oneof![
+            any::<u128>().prop_map(|low| IpAddr::V6(Ipv6Addr::from(
+                (0x2001_0db8_ffff_u128 << 80) | (low >> 48)
+            ))),
+            any::<u128>().prop_map(|bits| IpAddr::V6(Ipv6Addr::from(bits))),
+        ];
+        prop_oneof![
+            (v4.clone(), any::<bool>(), any::<u16>()).prop_map(|(ip, port, p)| {
+                let text = if port {
+                    format!("{ip}:{p}")
+                } else {
+                    ip.to_string()
+                };
+                (ip, text)
+            }),
+            // A mapped IPv4 is its IPv4 address (and trusted as such).
+            (v4, any::<bool>(), any::<u16>()).prop_map(|(ip, port, p)| {
+                let IpAddr::V4(v4) = ip else { unreachable!() };
+                let mapped = v4.to_ipv6_mapped();
+                let text = if port {
+                    format!("[{mapped}]:{p}")
+                } else {
+                    mapped.to_string()
+                };
+                (ip, text)
+            }),
+            (v6, any::<bool>(), any::<u16>()).prop_map(|(ip, port, p)| {
+                let text = if port {
+                    format!("[{ip}]:{p}")
+                } else {
+                    ip.to_string()
+                };
+                (ip.to_canonical(), text)
+            }),
+        ]
+    }
+
+    /// What an `X-Forwarded-For` list holds besides addresses.
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    enum Junk {
+        None,
+        /// An entry that is not an address.
+        Garbage,
+        /// An empty entry (`a,,b`).
+        Empty,
+    }
+
+    /// Hops, the header lines they are split into (with spacing), and junk.
+    fn forwarded() -> impl Strategy<Value = (Vec<(IpAddr, String)>, Vec<String>, Junk)> {
+        (
+            prop::collection::vec(hop(), 0..40),
+            1usize..=3,
+            prop_oneof![8 => Just(Junk::None), 1 => Just(Junk::Garbage), 1 => Just(Junk::Empty)],
+            any::<prop::sample::Index>(),
+            prop::sample::select(vec![",", ", ", " , ", ",\t"]),
+        )
+            .prop_map(|(hops, lines, junk, at, sep)| {
+                let mut entries: Vec<String> = hops.iter().map(|(_, t)| t.clone()).collect();
+                match junk {
+                    Junk::None => {}
+                    Junk::Garbage => entries.insert(at.index(entries.len() + 1), "unknown".into()),
+                    Junk::Empty => entries.insert(at.index(entries.len() + 1), String::new()),
+                }
+                let per_line = entries.len().div_ceil(lines).max(1);
+                let text: Vec<String> = entries.chunks(per_line).map(|c| c.join(sep)).collect();
+                (hops, text, junk)
+            })
+    }
+
+    /// An API key as presented: its header and value, and what it is.
+    #[derive(Debug, Clone, PartialEq)]
+    enum Key {
+        /// The configured key (tenant-a's).
+        Configured,
+        /// A well-formed key nobody configured, of a length around the limit.
+        Unknown(String),
+        /// Too long by `n` bytes.
+        TooLong(usize),
+        /// Empty, or with a character outside visible ASCII.
+        Invalid(String),
+    }
+
+    fn key() -> impl Strategy<Value = Key> {
+        prop_oneof![
+            3 => Just(Key::Configured),
+            3 => prop_oneof![1usize..=8, 248usize..=256]
+                .prop_map(|n| Key::Unknown("k".repeat(n))),
+            1 => (1usize..=3).prop_map(Key::TooLong),
+            1 => prop::sample::select(vec!["", "key a", "kéy"])
+                .prop_map(|s| Key::Invalid(s.to_owned())),
+        ]
+    }
+
+    impl Key {
+        fn text(&self) -> String {
+            match self {
+                Key::Configured => "key-a".into(),
+                Key::Unknown(k) | Key::Invalid(k) => k.clone(),
+                Key::TooLong(n) => "x".repeat(MAX_API_KEY_LEN + n),
+            }
+        }
+    }
+
+    /// Keys in `X-Api-Key` lines and `Authorization: Bearer` lines.
+    fn keys() -> impl Strategy<Value = (Vec<Key>, Vec<Key>)> {
+        (
+            prop::collection::vec(key(), 0..=2),
+            prop::collection::vec(key(), 0..=2),
+        )
+    }
+
+    fn peer() -> impl Strategy<Value = IpAddr> {
+        prop_oneof![
+            Just(ip("127.0.0.1")),
+            Just(ip("::ffff:127.0.0.1")),
+            Just(ip("10.9.8.7")),
+            Just(ip("2001:db8:ffff::1")),
+            Just(ip("203.0.113.1")),
+            Just(ip("2001:db8:1::1")),
+        ]
+    }
+
+    fn masked(ip: IpAddr) -> IpAddr {
+        match ip.to_canonical() {
+            IpAddr::V6(v6) => IpAddr::V6(Ipv6Addr::from(u128::from(v6) & (u128::MAX << 64))),
+            v4 => v4,
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2048))]
+
+        /// From any peer, trusted or not: a verified key only when the
+        /// configured key was presented (and no other); an unknown key
+        /// only ever widens nothing (it is limited by address); the address
+        /// is the peer unless the peer is a trusted proxy, and then the
+        /// right-most hop that is not itself trusted (or the left-most when
+        /// all are); a list that cannot be read exactly is an error, never
+        /// a guess.
+        #[test]
+        fn structured_requests_are_identified_as_the_rules_say(
+            peer in peer(),
+            (hops, lines, junk) in forwarded(),
+            (api_keys, bearers) in keys(),
+        ) {
+            let id = Identifier::new(
+                ApiKeys::from_digests([("tenant-a".to_owned(), ApiKeys::digest("key-a"))]),
+                TRUSTED.iter().map(|n| n.parse().unwrap()).collect(),
+                64,
+            );
+            let mut h = HeaderMap::new();
+            for line in &lines {
+                h.append("x-forwarded-for", HeaderValue::from_str(line).unwrap());
+            }
+            for k in &api_keys {
+                h.append("x-api-key", HeaderValue::from_bytes(k.text().as_bytes()).unwrap());
+            }
+            for k in &bearers {
+                h.append(
+                    http::header::AUTHORIZATION,
+                    HeaderValue::from_bytes(format!("Bearer {}", k.text()).as_bytes()).unwrap(),
+                );
+            }
+            // `Authorization: Bearer ` with nothing after it carries no key
+            // (the request stays anonymous, limited by address).
+            let empty = Key::Invalid(String::new());
+            let presented: Vec<&Key> = api_keys
+                .iter()
+                .chain(bearers.iter().filter(|k| **k != empty))
+                .collect();
+            let malformed = presented.iter().any(|k| matches!(k, Key::TooLong(_) | Key::Invalid(_)));
+            let distinct: std::collections::BTreeSet<String> =
+                presented.iter().map(|k| k.text()).collect();
+            let result = id.identify(&h, Some(peer));
+
+            // The API key.
+            if malformed || distinct.len() > 1 {
+                prop_assert!(
+                    matches!(
+                        result,
+                        Err(IdentityError::ApiKeyTooLong | IdentityError::ApiKeyInvalid | IdentityError::ApiKeyConflict)
+                    ),
+                    "{:?} from {:?}", result, presented
+                );
+                return Ok(());
+            }
+            let configured = presented.first().is_some_and(|k| **k == Key::Configured);
+            if configured {
+                prop_assert_eq!(result, Ok((Identity::ApiKey("tenant-a".into()), KeyKind::ApiKey)));
+                return Ok(());
+            }
+            let kind = if presented.is_empty() { KeyKind::Ip } else { KeyKind::UnknownApiKey };
+
+            // The address.
+            let peer_c = peer.to_canonical();
+            if !trusted(peer_c) {
+                prop_assert_eq!(result, Ok((Identity::Ip(masked(peer_c)), kind)));
+                return Ok(());
+            }
+            let bytes: usize = lines.iter().map(String::len).sum();
+            let too_long = bytes > MAX_FORWARDED_FOR_LEN
+                || hops.len() + usize::from(junk != Junk::None) > MAX_FORWARDED_FOR_HOPS;
+            if junk != Junk::None || too_long {
+                prop_assert!(
+                    matches!(
+                        result,
+                        Err(IdentityError::ForwardedForInvalid | IdentityError::ForwardedForTooLong)
+                    ),
+                    "{:?} from {:?}", result, lines
+                );
+                if junk == Junk::None {
+                    prop_assert_eq!(result, Err(IdentityError::ForwardedForTooLong));
+                }
+                return Ok(());
+            }
+            let client = hops
+                .iter()
+                .rev()
+                .map(|(ip, _)| *ip)
+                .find(|ip| !trusted(*ip))
+                .or_else(|| hops.first().map(|(ip, _)| *ip))
+                .unwrap_or(peer_c);
+            prop_assert_eq!(result, Ok((Identity::Ip(masked(client)), kind)), "{:?}", lines);
+        }
+    }
+}
