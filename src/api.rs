@@ -13,6 +13,7 @@
 //! Policies match route *templates* (`MatchedPath`), so `/api/items/7` and
 //! `/api/items/8` share the policy and the metric label `/api/items/{id}`.
 
+use crate::config::HttpConfig;
 use crate::failover::{BreakerHandle, BreakerState};
 use crate::headers::Problem;
 use crate::limiter::CurrentLimiter;
@@ -20,7 +21,7 @@ use crate::middleware::RateLimitLayer;
 use crate::store::{FailureMode, Store};
 use crate::telemetry;
 use axum::extract::rejection::{JsonRejection, PathRejection};
-use axum::extract::{Path, State};
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -56,6 +57,9 @@ pub struct AppState {
     pub metrics: PrometheusHandle,
     /// This instance's name.
     pub instance_id: Arc<str>,
+    /// The body limit and request deadline `app` applies, and the
+    /// connection bounds the server applies.
+    pub http: HttpConfig,
     orders: Arc<AtomicU64>,
 }
 
@@ -72,8 +76,14 @@ impl AppState {
             health,
             metrics,
             instance_id: Arc::from(instance_id),
+            http: HttpConfig::default(),
             orders: Arc::new(AtomicU64::new(0)),
         }
+    }
+
+    /// With these HTTP bounds rather than the defaults.
+    pub fn with_http(self, http: HttpConfig) -> Self {
+        Self { http, ..self }
     }
 }
 
@@ -207,33 +217,87 @@ async fn no_route(uri: axum::http::Uri) -> Response {
     )
 }
 
-/// A known route with another method: axum's 405, given a problem+json
-/// body here, its headers (`Allow`, the RateLimit fields) kept. axum's own
-/// 405 is answered inside the route, so the limiter still decides first: a
-/// flood of wrong methods is limited like any other request.
-async fn problem_for_405(response: Response) -> Response {
-    // Every response passes here: the status first, the header only for a 405.
-    if response.status() != StatusCode::METHOD_NOT_ALLOWED
-        || response
-            .headers()
-            .get(header::CONTENT_TYPE)
-            .is_some_and(|v| v.as_bytes().starts_with(b"application/problem+json"))
+/// Bare error responses from below the handlers, given problem+json
+/// bodies: axum's 405 (its headers, `Allow` and the RateLimit fields,
+/// kept; answered inside the route, so the limiter still decides first:
+/// a flood of wrong methods is limited like any other request), and
+/// tower-http's 408 when `http.request_timeout` passed (with `Connection:
+/// close`: the rest of a stalled body is never read, so the connection
+/// cannot carry another request).
+async fn problem_for_bare_errors(response: Response) -> Response {
+    // Every response passes here: the status first, the header only for
+    // the two statuses.
+    let status = response.status();
+    if !matches!(
+        status,
+        StatusCode::METHOD_NOT_ALLOWED | StatusCode::REQUEST_TIMEOUT
+    ) || response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/problem+json"))
     {
         return response;
     }
     let (parts, _) = response.into_parts();
-    let mut answer = problem(
-        StatusCode::METHOD_NOT_ALLOWED,
-        "method-not-allowed",
-        "Method Not Allowed",
-        "this route does not take that method; see Allow".into(),
-    );
+    let mut answer = if status == StatusCode::REQUEST_TIMEOUT {
+        let mut answer = problem(
+            status,
+            "request-timeout",
+            "Request Timeout",
+            "the request was not received and answered in time".into(),
+        );
+        answer
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        answer
+    } else {
+        problem(
+            status,
+            "method-not-allowed",
+            "Method Not Allowed",
+            "this route does not take that method; see Allow".into(),
+        )
+    };
     for (name, value) in &parts.headers {
         if name != header::CONTENT_TYPE && name != header::CONTENT_LENGTH {
             answer.headers_mut().append(name, value.clone());
         }
     }
     answer
+}
+
+/// 413 at once for a request whose declared `Content-Length` is over
+/// `http.body_limit`, before a byte of its body is read (axum's own limit
+/// reads up to the limit first, and a client declaring 10 GB and sending
+/// nothing would be waited for). Before the limiter: a body that cannot be
+/// taken costs no token and no Redis call. A body without a length
+/// (chunked) is cut at the limit by `DefaultBodyLimit` as it is read.
+async fn refuse_declared_too_large(
+    State(state): State<AppState>,
+    request: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let limit = state.http.body_limit;
+    let declared = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if let Some(length) = declared.filter(|&n| n > limit as u64) {
+        let mut answer = problem(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too-large",
+            "Content Too Large",
+            format!("the body declares {length} bytes; at most {limit} are taken"),
+        );
+        // The body is never read: the connection cannot carry another
+        // request.
+        answer
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        return answer;
+    }
+    next.run(request).await
 }
 
 async fn healthz() -> &'static str {
@@ -324,7 +388,19 @@ pub fn app(state: AppState) -> Router {
         // Outside the limiter: every matched route's template reaches the
         // telemetry layer, 429s included.
         .route_layer(axum::middleware::from_fn(telemetry::http::mark_route))
-        .layer(axum::middleware::map_response(problem_for_405))
+        // Streamed bodies are cut at the limit as they are read.
+        .layer(DefaultBodyLimit::max(state.http.body_limit))
+        // The whole request once its headers are in, its body included: a
+        // stalled body is answered 408 (the connection then closes).
+        .layer(tower_http::timeout::TimeoutLayer::with_status_code(
+            StatusCode::REQUEST_TIMEOUT,
+            state.http.request_timeout,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            refuse_declared_too_large,
+        ))
+        .layer(axum::middleware::map_response(problem_for_bare_errors))
         .layer(axum::middleware::map_response_with_state(
             state.clone(),
             add_instance_id,

@@ -16,6 +16,18 @@ use std::sync::OnceLock;
 /// `http_response_status_code`. Request, error and throttle rates all come
 /// from its `_count`.
 pub const HTTP_SERVER_REQUEST_DURATION_SECONDS: &str = "http_server_request_duration_seconds";
+/// Gauge: HTTP connections open now (`http.max_connections` caps it).
+pub const HTTP_SERVER_OPEN_CONNECTIONS: &str = "http_server_open_connections";
+/// Counter: connections closed as they arrived, over a cap. Labels:
+/// `reason` (`max_connections`: the instance's cap;
+/// `max_connections_per_address`: the client address's). A slowloris from
+/// one host shows as the second; an instance short of room as the first.
+pub const HTTP_SERVER_CONNECTIONS_REFUSED_TOTAL: &str = "http_server_connections_refused_total";
+/// Counter: connections closed because a request's headers had not
+/// arrived `http.header_timeout` after the connection began waiting for
+/// them: slow clients, and idle keep-alive connections (hyper's clock runs
+/// while a connection waits for its next request).
+pub const HTTP_SERVER_HEADER_TIMEOUTS_TOTAL: &str = "http_server_header_timeouts_total";
 /// Counter: limiter decisions. Labels: `policy`, `decision`
 /// (`allowed`|`denied`|`shadow_denied`|`unavailable`), `key_kind`
 /// (`api_key`|`ip`|`unknown_api_key`), `source` (`redis`|`memory`|`local`|
@@ -101,6 +113,9 @@ pub const INSTANCE_INFO: &str = "ratelimit_instance_info";
 /// metrics that exist.
 pub const ALL: &[&str] = &[
     HTTP_SERVER_REQUEST_DURATION_SECONDS,
+    HTTP_SERVER_OPEN_CONNECTIONS,
+    HTTP_SERVER_CONNECTIONS_REFUSED_TOTAL,
+    HTTP_SERVER_HEADER_TIMEOUTS_TOTAL,
     DECISIONS_TOTAL,
     NEAR_LIMIT_TOTAL,
     CHECKS_IN_FLIGHT,
@@ -158,6 +173,15 @@ fn describe() {
         HTTP_SERVER_REQUEST_DURATION_SECONDS,
         metrics::Unit::Seconds,
         "Duration of HTTP server responses, every status included"
+    );
+    metrics::describe_gauge!(HTTP_SERVER_OPEN_CONNECTIONS, "HTTP connections open now");
+    metrics::describe_counter!(
+        HTTP_SERVER_CONNECTIONS_REFUSED_TOTAL,
+        "HTTP connections closed on arrival over a cap, by cap"
+    );
+    metrics::describe_counter!(
+        HTTP_SERVER_HEADER_TIMEOUTS_TOTAL,
+        "HTTP connections closed for request headers not received within http.header_timeout"
     );
     metrics::describe_counter!(DECISIONS_TOTAL, "Rate limiter decisions");
     metrics::describe_counter!(
