@@ -7,16 +7,17 @@
 //! | `POST /api/orders` | places an order (JSON `{"item_id": 1, "quantity": 2}`) | policy matching `/api/orders` |
 //! | `GET /api/status` | instance id, backend, config generation, trusted proxies, policies | policy matching `/api/status` |
 //! | `GET /healthz` | liveness: the process answers | never |
-//! | `GET /readyz` | readiness: `ready`, or `degraded` while Redis is away (503 only if the failure mode is `closed`: otherwise the instance still serves, by its local share or open, and pulling every instance out of the balancer would turn a Redis blip into an outage) | never |
+//! | `GET /readyz` | readiness: `ready`, or `degraded` while Redis is away or the failure mode decided 5 % or more of the last 10 s of checks, with that share (503 only if the failure mode is `closed`: otherwise the instance still serves, by its local share or open, and pulling every instance out of the balancer would turn a Redis blip into an outage) | never |
 //! | `GET /metrics` | Prometheus text | never |
 //!
 //! Policies match route *templates* (`MatchedPath`), so `/api/items/7` and
 //! `/api/items/8` share the policy and the metric label `/api/items/{id}`.
 
 use crate::config::HttpConfig;
-use crate::failover::{BreakerHandle, BreakerState};
+use crate::failover::{BreakerHandle, BreakerState, DEGRADED_SHARE, RecentShare};
 use crate::headers::Problem;
 use crate::limiter::CurrentLimiter;
+use crate::metrics as m;
 use crate::middleware::RateLimitLayer;
 use crate::store::{FailureMode, Store};
 use crate::telemetry;
@@ -307,6 +308,36 @@ async fn healthz() -> &'static str {
 /// How long `/readyz` waits for the store before calling it degraded.
 const READY_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(500);
 
+impl Health {
+    /// How much the failure mode decided lately (`None`: no breaker, so no
+    /// failure policy), with `ratelimit_fallback_share` set to it.
+    fn recent(&self) -> Option<RecentShare> {
+        let recent = self.breaker.as_ref().map(BreakerHandle::recent);
+        metrics::gauge!(m::FALLBACK_SHARE).set(recent.map_or(0.0, |r| r.fallback_share));
+        recent
+    }
+}
+
+/// Readiness: `ready`, or `degraded` when the store does not answer a PING
+/// or when the failure mode decided at least `DEGRADED_SHARE` of the
+/// checks of the last `RECENT_WINDOW` (a breaker flapping open and shut,
+/// checks missing their deadline, scripts Redis refuses: the instance is
+/// running on its fallback though Redis answers this instant). Both are
+/// reported as they are (`fallback_share`, `breaker_opens`). Only the
+/// `closed` failure mode makes `degraded` a 503: otherwise the instance
+/// still serves, and pulling every instance out of the balancer would turn
+/// a Redis blip into an outage.
+///
+/// The breaker's state alone is not a reason: it stays open until a
+/// request probes, so with no traffic it would hold an instance degraded
+/// (and, failing closed, out of the balancer, so without traffic) for
+/// ever. The share fades out with the window instead.
+///
+/// Readiness does not run a check of its own: a probe would write to
+/// Redis (or need a key of its own) on every poll, and the real checks
+/// already exercise the scripts, the ACL and the deadline; their failures
+/// are what `fallback_share` counts. With no traffic, the PING is all
+/// there is.
 async fn readyz(State(state): State<AppState>) -> Response {
     let health = &state.health;
     let backend = health.store.backend();
@@ -320,32 +351,37 @@ async fn readyz(State(state): State<AppState>) -> Response {
         Ok(Err(e)) => Some(e.kind()),
         Err(_) => Some("timeout"),
     };
+    let recent = health.recent();
+    let on_fallback = recent.is_some_and(|r| r.fallback_share >= DEGRADED_SHARE);
     let mode = health.failure_mode;
-    let Some(error) = error else {
-        return Json(serde_json::json!({
-            "status": "ready", "backend": backend, "breaker": breaker,
-        }))
-        .into_response();
-    };
+    let mut body = serde_json::json!({
+        "status": "ready", "backend": backend, "breaker": breaker,
+    });
+    if let Some(r) = recent {
+        // Three decimals: a share, not a measurement to the last check.
+        body["fallback_share"] = serde_json::json!((r.fallback_share * 1000.0).round() / 1000.0);
+        body["breaker_opens"] = r.breaker_opens.into();
+    }
+    if error.is_none() && !on_fallback {
+        return Json(body).into_response();
+    }
+    body["status"] = "degraded".into();
+    body["failure_mode"] = mode.as_str().into();
+    if let Some(error) = error {
+        body["error"] = error.into();
+    }
     let status = if mode == FailureMode::Closed {
         StatusCode::SERVICE_UNAVAILABLE
     } else {
         StatusCode::OK
     };
-    (
-        status,
-        Json(serde_json::json!({
-            "status": "degraded",
-            "backend": backend,
-            "breaker": breaker,
-            "error": error,
-            "failure_mode": mode.as_str(),
-        })),
-    )
-        .into_response()
+    (status, Json(body)).into_response()
 }
 
 async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
+    // The share is of a window ending now: set at scrape time, so it fades
+    // when traffic stops rather than keep the last check's value.
+    state.health.recent();
     let mut text = state.metrics.render();
     // The hot keys are rendered now, not kept by the recorder: a key that
     // cooled down must leave the page, and the recorder never forgets a

@@ -44,6 +44,12 @@ pub const CHECKS_IN_FLIGHT: &str = "ratelimit_checks_in_flight";
 /// Gauge: 1 while this instance's Redis breaker is not closed, so policies
 /// are decided by their failure mode (local share, open or closed).
 pub const FALLBACK_ACTIVE: &str = "ratelimit_fallback_active";
+/// Gauge: the share (0 to 1) of this instance's checks over the last 10 s
+/// (`failover::RECENT_WINDOW`) that its failure mode decided (local
+/// share, open or closed) instead of Redis: how much it runs on its
+/// fallback, which `FALLBACK_ACTIVE` (this instant only) cannot say of a
+/// breaker that flaps. Set at scrape time; 0 without a shared store.
+pub const FALLBACK_SHARE: &str = "ratelimit_fallback_share";
 /// Gauge: the Redis circuit breaker: 0 closed, 1 half-open, 2 open.
 pub const BREAKER_STATE: &str = "ratelimit_breaker_state";
 /// Counter: breaker state changes. Labels: `from`, `to`
@@ -120,6 +126,7 @@ pub const ALL: &[&str] = &[
     NEAR_LIMIT_TOTAL,
     CHECKS_IN_FLIGHT,
     FALLBACK_ACTIVE,
+    FALLBACK_SHARE,
     BREAKER_STATE,
     BREAKER_TRANSITIONS_TOTAL,
     CHECK_DURATION_SECONDS,
@@ -225,6 +232,10 @@ fn describe() {
     metrics::describe_gauge!(
         FALLBACK_ACTIVE,
         "1 while Redis is bypassed and the failure mode decides"
+    );
+    metrics::describe_gauge!(
+        FALLBACK_SHARE,
+        "Share of the last 10 s of checks decided by the failure mode, not Redis"
     );
     metrics::describe_gauge!(
         BREAKER_STATE,

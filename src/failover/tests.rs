@@ -200,6 +200,41 @@ async fn the_breaker_stops_calling_a_failing_store_then_probes_once() {
     assert_eq!(f.breaker().state(), BreakerState::Closed);
 }
 
+/// What `/readyz` reads: the share of recent checks the fallback decided,
+/// over the window, whatever the breaker's state is now.
+#[tokio::test(start_paused = true)]
+async fn the_recent_share_counts_fallbacks_and_fades() {
+    let store = Switch::new();
+    let f = failover(&store, 2);
+    let limit = Limit::per_second(1000, 1).unwrap();
+    for i in 0..10 {
+        check(&f, 1, limit, 1, T0 + i, FailureMode::Local)
+            .await
+            .unwrap();
+    }
+    assert_eq!(f.breaker().recent().fallback_share, 0.0);
+    store.set(Health::Refusing);
+    for i in 0..10 {
+        check(&f, 1, limit, 1, T0 + 10 + i, FailureMode::Local)
+            .await
+            .unwrap();
+    }
+    let recent = f.breaker().recent();
+    assert_eq!(recent.fallback_share, 0.5, "{recent:?}");
+    assert_eq!(recent.breaker_opens, 1);
+    // Back, and a probe closes the breaker: the share stays until the
+    // window forgets it.
+    store.set(Health::Up);
+    tokio::time::advance(Duration::from_millis(500)).await;
+    check(&f, 1, limit, 1, T0 + SEC, FailureMode::Local)
+        .await
+        .unwrap();
+    assert_eq!(f.breaker().state(), BreakerState::Closed);
+    assert!(f.breaker().recent().fallback_share > 0.45);
+    tokio::time::advance(2 * RECENT_WINDOW).await;
+    assert_eq!(f.breaker().recent().fallback_share, 0.0);
+}
+
 #[tokio::test(start_paused = true)]
 async fn each_mode_answers_for_itself_while_the_store_refuses() {
     let store = Switch::new();
