@@ -50,6 +50,13 @@ pub const FALLBACK_ACTIVE: &str = "ratelimit_fallback_active";
 /// fallback, which `FALLBACK_ACTIVE` (this instant only) cannot say of a
 /// breaker that flaps. Set at scrape time; 0 without a shared store.
 pub const FALLBACK_SHARE: &str = "ratelimit_fallback_share";
+/// Counter: Redis checks that missed the deadline (their requests decided
+/// by the failure mode), by what became of the call, which goes on for the
+/// rest of the Redis response timeout. Labels: `outcome` (`answered`:
+/// Redis answered late, so the wait was likely this instance's own, a
+/// saturated CPU, and the breaker counts Redis alive; `failed`: it failed
+/// or never answered, and the breaker counts a failure).
+pub const LATE_ANSWERS_TOTAL: &str = "ratelimit_late_answers_total";
 /// Gauge: the Redis circuit breaker: 0 closed, 1 half-open, 2 open.
 pub const BREAKER_STATE: &str = "ratelimit_breaker_state";
 /// Counter: breaker state changes. Labels: `from`, `to`
@@ -63,12 +70,13 @@ pub const CHECK_DURATION_SECONDS: &str = "ratelimit_check_duration_seconds";
 /// Histogram: every call to Redis, by the node that served it. Labels:
 /// `node` (`host:port`; for a cluster, the owner of the key's slot in the
 /// slot map), `script` (the algorithm's script, or the naive store's
-/// command: `naive_get`, `naive_set`, `naive_del`). A call cut short by the
-/// check's deadline is recorded when it is dropped.
+/// command: `naive_get`, `naive_set`, `naive_del`). A call that misses the
+/// check's deadline goes on until Redis answers or the response timeout,
+/// and is recorded then, with its whole duration.
 pub const REDIS_CALL_DURATION_SECONDS: &str = "ratelimit_redis_call_duration_seconds";
 /// Counter: failed Redis calls by node. Labels: `node`, `kind` (the Redis
-/// kinds of `store::redis_error_kind`, or `deadline` for a call dropped at
-/// the deadline). `STORE_ERRORS_TOTAL` counts what the limiter saw; this
+/// kinds of `store::redis_error_kind`, or `deadline` for a call dropped
+/// mid-flight, past the allowance a late answer has). `STORE_ERRORS_TOTAL` counts what the limiter saw; this
 /// says where.
 pub const REDIS_ERRORS_TOTAL: &str = "ratelimit_redis_errors_total";
 /// Counter: trace spans not exported. Labels: `reason` (`queue_full`: the
@@ -127,6 +135,7 @@ pub const ALL: &[&str] = &[
     CHECKS_IN_FLIGHT,
     FALLBACK_ACTIVE,
     FALLBACK_SHARE,
+    LATE_ANSWERS_TOTAL,
     BREAKER_STATE,
     BREAKER_TRANSITIONS_TOTAL,
     CHECK_DURATION_SECONDS,
@@ -236,6 +245,10 @@ fn describe() {
     metrics::describe_gauge!(
         FALLBACK_SHARE,
         "Share of the last 10 s of checks decided by the failure mode, not Redis"
+    );
+    metrics::describe_counter!(
+        LATE_ANSWERS_TOTAL,
+        "Redis checks that missed the deadline, by whether Redis answered within its response timeout"
     );
     metrics::describe_gauge!(
         BREAKER_STATE,

@@ -264,6 +264,28 @@ impl<S: Store> Store for Failover<S> {
                         self.breaker.success(permit);
                         return Err(e);
                     }
+                    // Too late for this request, but perhaps not for
+                    // Redis: the breaker hears when the call ends (see
+                    // `deadline`). A late answer is Redis alive; only a
+                    // call that fails or outlasts its allowance counts
+                    // against it.
+                    Err(StoreError::Deadline(late)) if late.is_pending() => {
+                        tracing::debug!(?permit, "redis check missed the deadline");
+                        let breaker = self.breaker.clone();
+                        tokio::spawn(async move {
+                            let answered = late.answered().await;
+                            metrics::counter!(
+                                m::LATE_ANSWERS_TOTAL,
+                                "outcome" => if answered { "answered" } else { "failed" },
+                            )
+                            .increment(1);
+                            if answered {
+                                breaker.success(permit);
+                            } else {
+                                breaker.failure(permit);
+                            }
+                        });
+                    }
                     Err(e) => {
                         tracing::debug!(kind = e.kind(), ?permit, "redis check failed");
                         self.breaker.failure(permit);

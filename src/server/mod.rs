@@ -71,7 +71,12 @@ pub fn shared_stack<S: Store>(store: S, config: &Config) -> Stack {
         config.memory.shards,
     );
     let failover = Failover::new(
-        Counted::new(Deadline::new(store, settings.deadline)),
+        // A late answer may still arrive within the Redis client's own
+        // response timeout: until then, a deadline miss is not yet Redis's
+        // fault (see `failover::Deadline`).
+        Counted::new(
+            Deadline::new(store, settings.deadline).late_within(config.redis.response_timeout),
+        ),
         settings,
         local,
     );
