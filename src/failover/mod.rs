@@ -113,6 +113,10 @@ struct BreakerCell {
 impl BreakerHandle {
     fn new(failures: u32, cooldown: Duration) -> Self {
         metrics::gauge!(m::FALLBACK_ACTIVE).set(0.0);
+        // At zero from the start, so a dashboard's rate shows 0, not no data.
+        for outcome in ["answered", "failed"] {
+            metrics::counter!(m::LATE_ANSWERS_TOTAL, "outcome" => outcome).increment(0);
+        }
         metrics::gauge!(m::BREAKER_STATE).set(BreakerState::Closed.gauge());
         Self {
             shared: Arc::new(BreakerCell {
