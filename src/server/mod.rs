@@ -360,6 +360,14 @@ async fn run_instance(config: &Config, cli: Option<Cli>) -> Result<(), RunError>
             config.trusted_proxy_warn_addresses
         );
     }
+    if let Some(limit) = connections::over_descriptor_limit(config.http.max_connections) {
+        tracing::warn!(
+            max_connections = config.http.max_connections,
+            open_files_limit = limit,
+            "http.max_connections plus {} descriptors for everything else is over the process's open-files limit: accept will fail at the limit before the cap applies; raise ulimit -n (LimitNOFILE) or lower http.max_connections",
+            connections::RESERVED_DESCRIPTORS
+        );
+    }
     if config.key_secret.is_none() {
         tracing::warn!(
             "key_secret not set: identities are hashed with a random per-process key; set RL_KEY_SECRET when instances share a store"
