@@ -264,14 +264,16 @@ async fn problem_for_bare_errors(response: Response) -> Response {
             answer.headers_mut().append(name, value.clone());
         }
     }
+    // The route template among them: the telemetry layer labels by it.
+    *answer.extensions_mut() = parts.extensions;
     answer
 }
 
 /// 413 at once for a request whose declared `Content-Length` is over
 /// `http.body_limit`, before a byte of its body is read (axum's own limit
 /// reads up to the limit first, and a client declaring 10 GB and sending
-/// nothing would be waited for). Before the limiter: a body that cannot be
-/// taken costs no token and no Redis call. A body without a length
+/// nothing would be waited for). Before the limiter (a route layer outside
+/// it): a body that cannot be taken costs no token and no Redis call. A body without a length
 /// (chunked) is cut at the limit by `DefaultBodyLimit` as it is read.
 async fn refuse_declared_too_large(
     State(state): State<AppState>,
@@ -421,21 +423,24 @@ pub fn app(state: AppState) -> Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .fallback(no_route)
-        // Outside the limiter: every matched route's template reaches the
-        // telemetry layer, 429s included.
-        .route_layer(axum::middleware::from_fn(telemetry::http::mark_route))
-        // Streamed bodies are cut at the limit as they are read.
-        .layer(DefaultBodyLimit::max(state.http.body_limit))
-        // The whole request once its headers are in, its body included: a
-        // stalled body is answered 408 (the connection then closes).
-        .layer(tower_http::timeout::TimeoutLayer::with_status_code(
-            StatusCode::REQUEST_TIMEOUT,
-            state.http.request_timeout,
-        ))
-        .layer(axum::middleware::from_fn_with_state(
+        // Outside the limiter, inside the route's telemetry: a body that
+        // cannot be taken costs no check, and its 413 is labelled by route.
+        .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             refuse_declared_too_large,
         ))
+        // The whole request once its headers are in, its body included: a
+        // stalled body is answered 408 (the connection then closes). Only
+        // routes read bodies; the fallback answers at once.
+        .route_layer(tower_http::timeout::TimeoutLayer::with_status_code(
+            StatusCode::REQUEST_TIMEOUT,
+            state.http.request_timeout,
+        ))
+        // Outside the limiter: every matched route's template reaches the
+        // telemetry layer, 429s, 408s and 413s included.
+        .route_layer(axum::middleware::from_fn(telemetry::http::mark_route))
+        // Streamed bodies are cut at the limit as they are read.
+        .layer(DefaultBodyLimit::max(state.http.body_limit))
         .layer(axum::middleware::map_response(problem_for_bare_errors))
         .layer(axum::middleware::map_response_with_state(
             state.clone(),

@@ -342,6 +342,15 @@ async fn a_stalled_body_is_answered_408_and_its_connection_closed() {
         "{answer}"
     );
     assert!(after >= REQUEST_TIMEOUT / 2, "408 after only {after:?}");
+    let text = instance.metrics().await;
+    assert_eq!(
+        metric(
+            &text,
+            "http_server_request_duration_seconds_count{http_request_method=\"POST\",http_route=\"/api/orders\",http_response_status_code=\"408\"}"
+        ),
+        1.0,
+        "{text}"
+    );
 }
 
 /// A declared length over the body limit is refused at once, before any of
@@ -361,6 +370,20 @@ async fn a_declared_length_over_the_limit_is_refused_before_the_body() {
         .expect("not refused at once: the body was waited for");
     assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
     assert!(answer.contains("/problems/too-large"), "{answer}");
+    // Counted under its route, and before the limiter: no check was made.
+    let text = instance.metrics().await;
+    assert_eq!(
+        metric(
+            &text,
+            "http_server_request_duration_seconds_count{http_request_method=\"POST\",http_route=\"/api/orders\",http_response_status_code=\"413\"}"
+        ),
+        1.0,
+        "{text}"
+    );
+    assert!(
+        !text.contains("ratelimit_decisions_total{"),
+        "the limiter decided on a body it could never take: {text}"
+    );
 
     let response = client_from([127, 0, 0, 1])
         .post(format!("http://{}/api/orders", instance.addr()))
