@@ -19,6 +19,35 @@ use testkit::{ChildGuard, CpuLimit, RedisServer, free_port, wait_for_port};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ratelimiter");
 
+/// A process in a CPU-limited cgroup, moved back to the root cgroup on
+/// drop (a panic included), so that the cgroup can be removed.
+struct Squeezed {
+    pid: u32,
+    cpu: Option<CpuLimit>,
+}
+
+impl Squeezed {
+    fn new(pid: u32, cores: f64) -> Self {
+        let cpu = CpuLimit::new("starved", cores).unwrap();
+        cpu.add(pid).unwrap();
+        Self {
+            pid,
+            cpu: Some(cpu),
+        }
+    }
+
+    fn throttled(&self) -> u64 {
+        self.cpu.as_ref().map_or(0, |c| c.throttled().unwrap())
+    }
+}
+
+impl Drop for Squeezed {
+    fn drop(&mut self) {
+        let _ = std::fs::write("/sys/fs/cgroup/cpu/cgroup.procs", self.pid.to_string());
+        drop(self.cpu.take());
+    }
+}
+
 fn metric(text: &str, series: &str) -> f64 {
     text.lines()
         .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
@@ -72,8 +101,7 @@ async fn a_starved_instance_does_not_abandon_a_healthy_redis() {
     };
     assert!(from_redis().await, "never decided through Redis");
 
-    let cpu = CpuLimit::new("starved", 0.03).unwrap();
-    cpu.add(proc.pid()).unwrap();
+    let squeezed = Squeezed::new(proc.pid(), 0.03);
 
     // Eight clients until enough checks have missed the deadline, or a
     // minute.
@@ -120,11 +148,8 @@ async fn a_starved_instance_does_not_abandon_a_healthy_redis() {
             break;
         }
     }
-    let throttled = cpu.throttled().unwrap();
-    // Out of the cgroup again (a cgroup cannot be removed with a process
-    // in it).
-    std::fs::write("/sys/fs/cgroup/cpu/cgroup.procs", proc.pid().to_string()).unwrap();
-    drop(cpu);
+    let throttled = squeezed.throttled();
+    drop(squeezed);
     assert!(throttled > 0, "the cgroup never throttled the instance");
     assert!(
         misses >= 1.0,
