@@ -7,20 +7,22 @@
 //! | `POST /api/orders` | places an order (JSON `{"item_id": 1, "quantity": 2}`) | policy matching `/api/orders` |
 //! | `GET /api/status` | instance id, backend, config generation, trusted proxies, policies | policy matching `/api/status` |
 //! | `GET /healthz` | liveness: the process answers | never |
-//! | `GET /readyz` | readiness: `ready`, or `degraded` while Redis is away (503 only if the failure mode is `closed`: otherwise the instance still serves, by its local share or open, and pulling every instance out of the balancer would turn a Redis blip into an outage) | never |
+//! | `GET /readyz` | readiness: `ready`, or `degraded` while Redis is away or the failure mode decided 5 % or more of the last 10 s of checks, with that share (503 only if the failure mode is `closed`: otherwise the instance still serves, by its local share or open, and pulling every instance out of the balancer would turn a Redis blip into an outage) | never |
 //! | `GET /metrics` | Prometheus text | never |
 //!
 //! Policies match route *templates* (`MatchedPath`), so `/api/items/7` and
 //! `/api/items/8` share the policy and the metric label `/api/items/{id}`.
 
-use crate::failover::{BreakerHandle, BreakerState};
+use crate::config::HttpConfig;
+use crate::failover::{BreakerHandle, BreakerState, DEGRADED_SHARE, RecentShare};
 use crate::headers::Problem;
 use crate::limiter::CurrentLimiter;
+use crate::metrics as m;
 use crate::middleware::RateLimitLayer;
 use crate::store::{FailureMode, Store};
 use crate::telemetry;
 use axum::extract::rejection::{JsonRejection, PathRejection};
-use axum::extract::{Path, State};
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -56,6 +58,9 @@ pub struct AppState {
     pub metrics: PrometheusHandle,
     /// This instance's name.
     pub instance_id: Arc<str>,
+    /// The body limit and request deadline `app` applies, and the
+    /// connection bounds the server applies.
+    pub http: HttpConfig,
     orders: Arc<AtomicU64>,
 }
 
@@ -72,8 +77,14 @@ impl AppState {
             health,
             metrics,
             instance_id: Arc::from(instance_id),
+            http: HttpConfig::default(),
             orders: Arc::new(AtomicU64::new(0)),
         }
+    }
+
+    /// With these HTTP bounds rather than the defaults.
+    pub fn with_http(self, http: HttpConfig) -> Self {
+        Self { http, ..self }
     }
 }
 
@@ -207,33 +218,89 @@ async fn no_route(uri: axum::http::Uri) -> Response {
     )
 }
 
-/// A known route with another method: axum's 405, given a problem+json
-/// body here, its headers (`Allow`, the RateLimit fields) kept. axum's own
-/// 405 is answered inside the route, so the limiter still decides first: a
-/// flood of wrong methods is limited like any other request.
-async fn problem_for_405(response: Response) -> Response {
-    // Every response passes here: the status first, the header only for a 405.
-    if response.status() != StatusCode::METHOD_NOT_ALLOWED
-        || response
-            .headers()
-            .get(header::CONTENT_TYPE)
-            .is_some_and(|v| v.as_bytes().starts_with(b"application/problem+json"))
+/// Bare error responses from below the handlers, given problem+json
+/// bodies: axum's 405 (its headers, `Allow` and the RateLimit fields,
+/// kept; answered inside the route, so the limiter still decides first:
+/// a flood of wrong methods is limited like any other request), and
+/// tower-http's 408 when `http.request_timeout` passed (with `Connection:
+/// close`: the rest of a stalled body is never read, so the connection
+/// cannot carry another request).
+async fn problem_for_bare_errors(response: Response) -> Response {
+    // Every response passes here: the status first, the header only for
+    // the two statuses.
+    let status = response.status();
+    if !matches!(
+        status,
+        StatusCode::METHOD_NOT_ALLOWED | StatusCode::REQUEST_TIMEOUT
+    ) || response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/problem+json"))
     {
         return response;
     }
     let (parts, _) = response.into_parts();
-    let mut answer = problem(
-        StatusCode::METHOD_NOT_ALLOWED,
-        "method-not-allowed",
-        "Method Not Allowed",
-        "this route does not take that method; see Allow".into(),
-    );
+    let mut answer = if status == StatusCode::REQUEST_TIMEOUT {
+        let mut answer = problem(
+            status,
+            "request-timeout",
+            "Request Timeout",
+            "the request was not received and answered in time".into(),
+        );
+        answer
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        answer
+    } else {
+        problem(
+            status,
+            "method-not-allowed",
+            "Method Not Allowed",
+            "this route does not take that method; see Allow".into(),
+        )
+    };
     for (name, value) in &parts.headers {
         if name != header::CONTENT_TYPE && name != header::CONTENT_LENGTH {
             answer.headers_mut().append(name, value.clone());
         }
     }
+    // The route template among them: the telemetry layer labels by it.
+    *answer.extensions_mut() = parts.extensions;
     answer
+}
+
+/// 413 at once for a request whose declared `Content-Length` is over
+/// `http.body_limit`, before a byte of its body is read (axum's own limit
+/// reads up to the limit first, and a client declaring 10 GB and sending
+/// nothing would be waited for). Before the limiter (a route layer outside
+/// it): a body that cannot be taken costs no token and no Redis call. A body without a length
+/// (chunked) is cut at the limit by `DefaultBodyLimit` as it is read.
+async fn refuse_declared_too_large(
+    State(state): State<AppState>,
+    request: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let limit = state.http.body_limit;
+    let declared = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if let Some(length) = declared.filter(|&n| n > limit as u64) {
+        let mut answer = problem(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too-large",
+            "Content Too Large",
+            format!("the body declares {length} bytes; at most {limit} are taken"),
+        );
+        // The body is never read: the connection cannot carry another
+        // request.
+        answer
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        return answer;
+    }
+    next.run(request).await
 }
 
 async fn healthz() -> &'static str {
@@ -243,6 +310,36 @@ async fn healthz() -> &'static str {
 /// How long `/readyz` waits for the store before calling it degraded.
 const READY_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(500);
 
+impl Health {
+    /// How much the failure mode decided lately (`None`: no breaker, so no
+    /// failure policy), with `ratelimit_fallback_share` set to it.
+    fn recent(&self) -> Option<RecentShare> {
+        let recent = self.breaker.as_ref().map(BreakerHandle::recent);
+        metrics::gauge!(m::FALLBACK_SHARE).set(recent.map_or(0.0, |r| r.fallback_share));
+        recent
+    }
+}
+
+/// Readiness: `ready`, or `degraded` when the store does not answer a PING
+/// or when the failure mode decided at least `DEGRADED_SHARE` of the
+/// checks of the last `RECENT_WINDOW` (a breaker flapping open and shut,
+/// checks missing their deadline, scripts Redis refuses: the instance is
+/// running on its fallback though Redis answers this instant). Both are
+/// reported as they are (`fallback_share`, `breaker_opens`). Only the
+/// `closed` failure mode makes `degraded` a 503: otherwise the instance
+/// still serves, and pulling every instance out of the balancer would turn
+/// a Redis blip into an outage.
+///
+/// The breaker's state alone is not a reason: it stays open until a
+/// request probes, so with no traffic it would hold an instance degraded
+/// (and, failing closed, out of the balancer, so without traffic) for
+/// ever. The share fades out with the window instead.
+///
+/// Readiness does not run a check of its own: a probe would write to
+/// Redis (or need a key of its own) on every poll, and the real checks
+/// already exercise the scripts, the ACL and the deadline; their failures
+/// are what `fallback_share` counts. With no traffic, the PING is all
+/// there is.
 async fn readyz(State(state): State<AppState>) -> Response {
     let health = &state.health;
     let backend = health.store.backend();
@@ -256,32 +353,37 @@ async fn readyz(State(state): State<AppState>) -> Response {
         Ok(Err(e)) => Some(e.kind()),
         Err(_) => Some("timeout"),
     };
+    let recent = health.recent();
+    let on_fallback = recent.is_some_and(|r| r.fallback_share >= DEGRADED_SHARE);
     let mode = health.failure_mode;
-    let Some(error) = error else {
-        return Json(serde_json::json!({
-            "status": "ready", "backend": backend, "breaker": breaker,
-        }))
-        .into_response();
-    };
+    let mut body = serde_json::json!({
+        "status": "ready", "backend": backend, "breaker": breaker,
+    });
+    if let Some(r) = recent {
+        // Three decimals: a share, not a measurement to the last check.
+        body["fallback_share"] = serde_json::json!((r.fallback_share * 1000.0).round() / 1000.0);
+        body["breaker_opens"] = r.breaker_opens.into();
+    }
+    if error.is_none() && !on_fallback {
+        return Json(body).into_response();
+    }
+    body["status"] = "degraded".into();
+    body["failure_mode"] = mode.as_str().into();
+    if let Some(error) = error {
+        body["error"] = error.into();
+    }
     let status = if mode == FailureMode::Closed {
         StatusCode::SERVICE_UNAVAILABLE
     } else {
         StatusCode::OK
     };
-    (
-        status,
-        Json(serde_json::json!({
-            "status": "degraded",
-            "backend": backend,
-            "breaker": breaker,
-            "error": error,
-            "failure_mode": mode.as_str(),
-        })),
-    )
-        .into_response()
+    (status, Json(body)).into_response()
 }
 
 async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
+    // The share is of a window ending now: set at scrape time, so it fades
+    // when traffic stops rather than keep the last check's value.
+    state.health.recent();
     let mut text = state.metrics.render();
     // The hot keys are rendered now, not kept by the recorder: a key that
     // cooled down must leave the page, and the recorder never forgets a
@@ -321,10 +423,25 @@ pub fn app(state: AppState) -> Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .fallback(no_route)
+        // Outside the limiter, inside the route's telemetry: a body that
+        // cannot be taken costs no check, and its 413 is labelled by route.
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            refuse_declared_too_large,
+        ))
+        // The whole request once its headers are in, its body included: a
+        // stalled body is answered 408 (the connection then closes). Only
+        // routes read bodies; the fallback answers at once.
+        .route_layer(tower_http::timeout::TimeoutLayer::with_status_code(
+            StatusCode::REQUEST_TIMEOUT,
+            state.http.request_timeout,
+        ))
         // Outside the limiter: every matched route's template reaches the
-        // telemetry layer, 429s included.
+        // telemetry layer, 429s, 408s and 413s included.
         .route_layer(axum::middleware::from_fn(telemetry::http::mark_route))
-        .layer(axum::middleware::map_response(problem_for_405))
+        // Streamed bodies are cut at the limit as they are read.
+        .layer(DefaultBodyLimit::max(state.http.body_limit))
+        .layer(axum::middleware::map_response(problem_for_bare_errors))
         .layer(axum::middleware::map_response_with_state(
             state.clone(),
             add_instance_id,

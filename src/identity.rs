@@ -169,6 +169,16 @@ impl Identifier {
         &self.trusted_proxies
     }
 
+    /// Whom a connection from `peer` counts against under the server's
+    /// per-address connection cap: the address as an anonymous client is
+    /// keyed (an IPv6 one by its `ipv6_prefix` network: one host has a
+    /// whole /64 to connect from), or `None` for a trusted proxy, whose
+    /// connections carry every client behind it.
+    pub fn connection_owner(&self, peer: IpAddr) -> Option<IpAddr> {
+        let peer = peer.to_canonical();
+        (!self.is_trusted(peer)).then(|| self.mask(peer))
+    }
+
     /// Whether `peer` sent `X-Forwarded-For` without being a trusted proxy,
     /// so the header is ignored. Now and then, a client trying to choose its
     /// own bucket; on nearly every request, a proxy that should be trusted

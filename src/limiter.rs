@@ -192,6 +192,12 @@ impl Limiter {
         self.identifier.trusted_proxies()
     }
 
+    /// Whom a connection from `peer` counts against (see
+    /// [`Identifier::connection_owner`]; `None`: a trusted proxy).
+    pub fn connection_owner(&self, peer: std::net::IpAddr) -> Option<std::net::IpAddr> {
+        self.identifier.connection_owner(peer)
+    }
+
     /// The names of its policies, in match order.
     pub fn policy_names(&self) -> Vec<Arc<str>> {
         self.policies.names()

@@ -16,6 +16,18 @@ use std::sync::OnceLock;
 /// `http_response_status_code`. Request, error and throttle rates all come
 /// from its `_count`.
 pub const HTTP_SERVER_REQUEST_DURATION_SECONDS: &str = "http_server_request_duration_seconds";
+/// Gauge: HTTP connections open now (`http.max_connections` caps it).
+pub const HTTP_SERVER_OPEN_CONNECTIONS: &str = "http_server_open_connections";
+/// Counter: connections closed as they arrived, over a cap. Labels:
+/// `reason` (`max_connections`: the instance's cap;
+/// `max_connections_per_address`: the client address's). A slowloris from
+/// one host shows as the second; an instance short of room as the first.
+pub const HTTP_SERVER_CONNECTIONS_REFUSED_TOTAL: &str = "http_server_connections_refused_total";
+/// Counter: connections closed because a request's headers had not
+/// arrived `http.header_timeout` after the connection began waiting for
+/// them: slow clients, and idle keep-alive connections (hyper's clock runs
+/// while a connection waits for its next request).
+pub const HTTP_SERVER_HEADER_TIMEOUTS_TOTAL: &str = "http_server_header_timeouts_total";
 /// Counter: limiter decisions. Labels: `policy`, `decision`
 /// (`allowed`|`denied`|`shadow_denied`|`unavailable`), `key_kind`
 /// (`api_key`|`ip`|`unknown_api_key`), `source` (`redis`|`memory`|`local`|
@@ -32,6 +44,19 @@ pub const CHECKS_IN_FLIGHT: &str = "ratelimit_checks_in_flight";
 /// Gauge: 1 while this instance's Redis breaker is not closed, so policies
 /// are decided by their failure mode (local share, open or closed).
 pub const FALLBACK_ACTIVE: &str = "ratelimit_fallback_active";
+/// Gauge: the share (0 to 1) of this instance's checks over the last 10 s
+/// (`failover::RECENT_WINDOW`) that its failure mode decided (local
+/// share, open or closed) instead of Redis: how much it runs on its
+/// fallback, which `FALLBACK_ACTIVE` (this instant only) cannot say of a
+/// breaker that flaps. Set at scrape time; 0 without a shared store.
+pub const FALLBACK_SHARE: &str = "ratelimit_fallback_share";
+/// Counter: Redis checks that missed the deadline (their requests decided
+/// by the failure mode), by what became of the call, which goes on for the
+/// rest of the Redis response timeout. Labels: `outcome` (`answered`:
+/// Redis answered late, so the wait was likely this instance's own, a
+/// saturated CPU, and the breaker counts Redis alive; `failed`: it failed
+/// or never answered, and the breaker counts a failure).
+pub const LATE_ANSWERS_TOTAL: &str = "ratelimit_late_answers_total";
 /// Gauge: the Redis circuit breaker: 0 closed, 1 half-open, 2 open.
 pub const BREAKER_STATE: &str = "ratelimit_breaker_state";
 /// Counter: breaker state changes. Labels: `from`, `to`
@@ -45,12 +70,13 @@ pub const CHECK_DURATION_SECONDS: &str = "ratelimit_check_duration_seconds";
 /// Histogram: every call to Redis, by the node that served it. Labels:
 /// `node` (`host:port`; for a cluster, the owner of the key's slot in the
 /// slot map), `script` (the algorithm's script, or the naive store's
-/// command: `naive_get`, `naive_set`, `naive_del`). A call cut short by the
-/// check's deadline is recorded when it is dropped.
+/// command: `naive_get`, `naive_set`, `naive_del`). A call that misses the
+/// check's deadline goes on until Redis answers or the response timeout,
+/// and is recorded then, with its whole duration.
 pub const REDIS_CALL_DURATION_SECONDS: &str = "ratelimit_redis_call_duration_seconds";
 /// Counter: failed Redis calls by node. Labels: `node`, `kind` (the Redis
-/// kinds of `store::redis_error_kind`, or `deadline` for a call dropped at
-/// the deadline). `STORE_ERRORS_TOTAL` counts what the limiter saw; this
+/// kinds of `store::redis_error_kind`, or `deadline` for a call dropped
+/// mid-flight, past the allowance a late answer has). `STORE_ERRORS_TOTAL` counts what the limiter saw; this
 /// says where.
 pub const REDIS_ERRORS_TOTAL: &str = "ratelimit_redis_errors_total";
 /// Counter: trace spans not exported. Labels: `reason` (`queue_full`: the
@@ -101,10 +127,15 @@ pub const INSTANCE_INFO: &str = "ratelimit_instance_info";
 /// metrics that exist.
 pub const ALL: &[&str] = &[
     HTTP_SERVER_REQUEST_DURATION_SECONDS,
+    HTTP_SERVER_OPEN_CONNECTIONS,
+    HTTP_SERVER_CONNECTIONS_REFUSED_TOTAL,
+    HTTP_SERVER_HEADER_TIMEOUTS_TOTAL,
     DECISIONS_TOTAL,
     NEAR_LIMIT_TOTAL,
     CHECKS_IN_FLIGHT,
     FALLBACK_ACTIVE,
+    FALLBACK_SHARE,
+    LATE_ANSWERS_TOTAL,
     BREAKER_STATE,
     BREAKER_TRANSITIONS_TOTAL,
     CHECK_DURATION_SECONDS,
@@ -159,6 +190,15 @@ fn describe() {
         metrics::Unit::Seconds,
         "Duration of HTTP server responses, every status included"
     );
+    metrics::describe_gauge!(HTTP_SERVER_OPEN_CONNECTIONS, "HTTP connections open now");
+    metrics::describe_counter!(
+        HTTP_SERVER_CONNECTIONS_REFUSED_TOTAL,
+        "HTTP connections closed on arrival over a cap, by cap"
+    );
+    metrics::describe_counter!(
+        HTTP_SERVER_HEADER_TIMEOUTS_TOTAL,
+        "HTTP connections closed for request headers not received within http.header_timeout"
+    );
     metrics::describe_counter!(DECISIONS_TOTAL, "Rate limiter decisions");
     metrics::describe_counter!(
         NEAR_LIMIT_TOTAL,
@@ -201,6 +241,14 @@ fn describe() {
     metrics::describe_gauge!(
         FALLBACK_ACTIVE,
         "1 while Redis is bypassed and the failure mode decides"
+    );
+    metrics::describe_gauge!(
+        FALLBACK_SHARE,
+        "Share of the last 10 s of checks decided by the failure mode, not Redis"
+    );
+    metrics::describe_counter!(
+        LATE_ANSWERS_TOTAL,
+        "Redis checks that missed the deadline, by whether Redis answered within its response timeout"
     );
     metrics::describe_gauge!(
         BREAKER_STATE,

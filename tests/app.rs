@@ -494,4 +494,9 @@ async fn every_error_is_problem_json() {
             assert!(h.get("allow").is_some(), "{what}: 405 says what is allowed");
         }
     }
+    // A rewritten 405 keeps its route for the telemetry layer: counted
+    // under the template, not as `unmatched`.
+    let (_, _, metrics) = send(&app, request("GET", "/metrics", &[], None)).await;
+    let line = r#"http_server_request_duration_seconds_count{http_request_method="DELETE",http_route="/api/items",http_response_status_code="405"}"#;
+    assert!(metrics.contains(line), "{line} missing");
 }

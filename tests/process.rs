@@ -282,6 +282,36 @@ fn a_wide_trusted_range_is_warned_about() {
     );
 }
 
+/// A connection cap the descriptor limit cannot hold is warned about at
+/// start-up: at 300 open files, the default cap of 512 connections would
+/// never apply (accept fails first).
+#[test]
+fn a_connection_cap_over_the_descriptor_limit_is_warned_about() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken = taken.local_addr().unwrap().to_string();
+    let run = |max: &str| {
+        let out = Command::new("sh")
+            .args(["-c", "ulimit -n 300 && exec \"$0\" \"$@\""])
+            .arg(BIN)
+            .args(["--listen", &taken, "--http-max-connections", max])
+            .args(["--http-max-connections-per-address", "1"])
+            .env("RUST_LOG", "warn")
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let stderr = run("512");
+    assert!(
+        stderr.contains("over the process's open-files limit") && stderr.contains("300"),
+        "{stderr}"
+    );
+    let stderr = run("200");
+    assert!(
+        !stderr.contains("open-files limit"),
+        "200 + 64 fits in 300: {stderr}"
+    );
+}
+
 /// `rediss://` without a CA file trusts the system's roots, as a managed
 /// Redis with a public certificate needs: here the test CA, made a system
 /// root by `SSL_CERT_FILE` (what rustls-native-certs reads, as OpenSSL

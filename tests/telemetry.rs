@@ -493,9 +493,9 @@ fn trace_id(n: u32) -> String {
     format!("{n:08x}{}", &TRACE[8..])
 }
 
-/// What went wrong with Redis shows on the trace: a call cut short by the
-/// deadline, a refused connection, and once the breaker opens, a check
-/// that did not call Redis at all.
+/// What went wrong with Redis shows on the trace: a call that missed the
+/// deadline and was never answered, a refused connection, and once the
+/// breaker opens, a check that did not call Redis at all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deadline_misses_failures_and_breaker_skips_show_on_the_trace() {
     let mut redis = RedisServer::start().unwrap();
@@ -510,7 +510,7 @@ async fn deadline_misses_failures_and_breaker_skips_show_on_the_trace() {
             "--failure-deadline",
             "200ms",
             "--redis-response-timeout",
-            "5s",
+            "400ms",
             "--breaker-failures",
             "3",
             "--breaker-cooldown",
@@ -524,6 +524,9 @@ async fn deadline_misses_failures_and_breaker_skips_show_on_the_trace() {
     assert_eq!(traced_get(1).await, 200, "connected");
     redis.pause().unwrap();
     assert_eq!(traced_get(2).await, 200, "the local share decides");
+    // The call goes on for the rest of the 400 ms response timeout in case
+    // Redis answers late; it stays paused past that, so it never does.
+    tokio::time::sleep(Duration::from_millis(800)).await;
     redis.resume().unwrap();
     redis.kill().unwrap();
     for n in 3..=6 {
@@ -534,9 +537,13 @@ async fn deadline_misses_failures_and_breaker_skips_show_on_the_trace() {
         .await
         .unwrap();
     let call = by_name(&spans, "EVALSHA");
-    assert_eq!(
-        call.attributes.get("error.type").map(String::as_str),
-        Some("deadline")
+    // Dropped past its allowance, or the client's own timeout first.
+    assert!(
+        matches!(
+            call.attributes.get("error.type").map(String::as_str),
+            Some("deadline" | "timeout")
+        ),
+        "{call:?}"
     );
     assert_eq!(
         by_name(&spans, "ratelimit.check")

@@ -75,6 +75,8 @@ pub struct Cli {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub near_limit_fraction: Option<f64>,
     #[command(flatten)]
+    pub http: HttpFlags,
+    #[command(flatten)]
     pub memory: MemoryFlags,
     #[command(flatten)]
     pub redis: RedisFlags,
@@ -86,6 +88,26 @@ pub struct Cli {
     pub hot_keys: HotKeyFlags,
     #[command(flatten)]
     pub deny_cache: DenyCacheFlags,
+}
+
+/// `[http]` flags.
+#[derive(Debug, Clone, Default, Args, Serialize)]
+pub struct HttpFlags {
+    #[arg(long = "http-header-timeout", env = "RL_HTTP_HEADER_TIMEOUT", help = help("Longest wait for a request's headers, and for the next request on an idle keep-alive connection", "http.header_timeout"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub header_timeout: Option<String>,
+    #[arg(long = "http-request-timeout", env = "RL_HTTP_REQUEST_TIMEOUT", help = help("Longest one request may take after its headers, body included (then 408)", "http.request_timeout"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub request_timeout: Option<String>,
+    #[arg(long = "http-max-connections", env = "RL_HTTP_MAX_CONNECTIONS", help = help("Connections open at once; more are closed as they arrive", "http.max_connections"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_connections: Option<usize>,
+    #[arg(long = "http-max-connections-per-address", env = "RL_HTTP_MAX_CONNECTIONS_PER_ADDRESS", help = help("Connections open at once from one client address (trusted proxies exempt)", "http.max_connections_per_address"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_connections_per_address: Option<usize>,
+    #[arg(long = "http-body-limit", env = "RL_HTTP_BODY_LIMIT", help = help("Largest request body in bytes; a larger Content-Length is refused (413) before it is read", "http.body_limit"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub body_limit: Option<usize>,
 }
 
 /// `[memory]` flags.

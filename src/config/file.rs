@@ -35,6 +35,8 @@ pub struct Settings {
     /// `near_limit_fraction`: an admitted request that leaves less than this
     /// fraction of its limit is counted as near the limit.
     pub near_limit_fraction: f64,
+    /// `[http]`.
+    pub http: HttpFile,
     /// `[memory]`.
     pub memory: MemoryFile,
     /// `[redis]`.
@@ -51,6 +53,29 @@ pub struct Settings {
     pub api_keys: Vec<ApiKeyFile>,
     /// `[[policies]]`.
     pub policies: Vec<PolicyFile>,
+}
+
+/// `[http]`: what a connection may cost the instance (see
+/// `server::connections`). Each bounds what a client that never finishes
+/// can hold: a descriptor, a task, a slot under the cap.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpFile {
+    /// The longest a connection may wait for a request's headers to end,
+    /// counted from when it starts waiting: when it opens, and after each
+    /// response (so it is also the keep-alive idle timeout).
+    pub header_timeout: String,
+    /// The longest one request may take once its headers are in, its body
+    /// included: a stalled body is answered 408 and the connection closed.
+    pub request_timeout: String,
+    /// Connections open at once; more are closed as they arrive.
+    pub max_connections: usize,
+    /// Connections open at once from one client address (an IPv6 client:
+    /// its `ipv6_prefix` network); trusted proxies are exempt.
+    pub max_connections_per_address: usize,
+    /// The largest request body, in bytes; a larger declared
+    /// `Content-Length` is answered 413 before any of it is read.
+    pub body_limit: usize,
 }
 
 /// `[memory]`.
@@ -234,6 +259,24 @@ impl Default for Settings {
             ipv6_prefix: 64,
             // envoy ratelimit's near-limit ratio is 0.8 of the limit used.
             near_limit_fraction: 0.2,
+            http: HttpFile {
+                // A request's headers come in one packet or a few; ten
+                // seconds is ample on a slow mobile link, and an idle
+                // keep-alive connection is closed after as long (nginx in
+                // front closes its idle ones after 5 s: see nginx/).
+                header_timeout: "10s".into(),
+                // A 2 MB body at 100 kB/s takes 20 s.
+                request_timeout: "30s".into(),
+                // Half the 1024 descriptors a process gets by default
+                // (ulimit -n): the rest stay for Redis, logs and the
+                // listener. Raise both together.
+                max_connections: 512,
+                // One host holds at most a quarter of the cap: a thousand
+                // slow sockets from one address cannot take them all.
+                max_connections_per_address: 128,
+                // axum's default.
+                body_limit: 2 * 1024 * 1024,
+            },
             memory: MemoryFile {
                 max_keys: 1_000_000,
                 shards: 64,

@@ -14,6 +14,11 @@
 //! | `key_secret` | `--key-secret` / `RL_KEY_SECRET` | random per process |
 //! | `ipv6_prefix` | `--ipv6-prefix` / `RL_IPV6_PREFIX` | `64` |
 //! | `near_limit_fraction` | `--near-limit-fraction` / `RL_NEAR_LIMIT_FRACTION` | `0.2` |
+//! | `http.header_timeout` | `--http-header-timeout` / `RL_HTTP_HEADER_TIMEOUT` | `10s` (also the keep-alive idle timeout) |
+//! | `http.request_timeout` | `--http-request-timeout` / `RL_HTTP_REQUEST_TIMEOUT` | `30s` |
+//! | `http.max_connections` | `--http-max-connections` / `RL_HTTP_MAX_CONNECTIONS` | `512` |
+//! | `http.max_connections_per_address` | `--http-max-connections-per-address` / `RL_HTTP_MAX_CONNECTIONS_PER_ADDRESS` | `128` |
+//! | `http.body_limit` | `--http-body-limit` / `RL_HTTP_BODY_LIMIT` | `2097152` (bytes) |
 //! | `memory.max_keys` | `--memory-max-keys` / `RL_MEMORY_MAX_KEYS` | `1000000` |
 //! | `memory.shards` | `--memory-shards` / `RL_MEMORY_SHARDS` | `64` |
 //! | `redis.url` | `--redis-url` / `RL_REDIS_URL` | `redis://127.0.0.1:6379` (`rediss://` for TLS; credentials in the URL) |
@@ -71,8 +76,8 @@ mod parse;
 mod validate;
 
 pub use cli::{
-    Cli, DenyCacheFlags, FailureFlags, HotKeyFlags, MemoryFlags, RedisFlags, TracingFlags,
-    default_of,
+    Cli, DenyCacheFlags, FailureFlags, HotKeyFlags, HttpFlags, MemoryFlags, RedisFlags,
+    TracingFlags, default_of,
 };
 pub use parse::parse_period;
 
@@ -87,6 +92,7 @@ use figment::providers::{Format, Serialized, Toml};
 use ipnet::IpNet;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::time::Duration;
 
 /// Memory backend settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -95,6 +101,31 @@ pub struct MemoryConfig {
     pub max_keys: usize,
     /// Lock shards (a power of two).
     pub shards: usize,
+}
+
+/// What a connection and a request may cost the instance (`[http]`; see
+/// `server::connections`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HttpConfig {
+    /// The longest wait for a request's headers, counted from when the
+    /// connection starts waiting (so also the keep-alive idle timeout).
+    pub header_timeout: Duration,
+    /// The longest one request may take after its headers, body included.
+    pub request_timeout: Duration,
+    /// Connections open at once.
+    pub max_connections: usize,
+    /// Connections open at once from one address (trusted proxies exempt).
+    pub max_connections_per_address: usize,
+    /// The largest request body, in bytes.
+    pub body_limit: usize,
+}
+
+impl Default for HttpConfig {
+    /// The declared defaults (`file::Settings::default`), for states built
+    /// without a config.
+    fn default() -> Self {
+        validate::http(file::Settings::default().http).expect("the defaults are valid")
+    }
 }
 
 /// A configured API key: its id and the SHA-256 of the key.
@@ -126,6 +157,8 @@ pub struct Config {
     /// Admissions leaving less than this fraction of the limit count as
     /// near it.
     pub near_limit_fraction: f64,
+    /// Connection and request bounds of the HTTP server.
+    pub http: HttpConfig,
     /// Memory backend settings (also the local share's size).
     pub memory: MemoryConfig,
     /// Redis settings (used by the naive and lua backends).

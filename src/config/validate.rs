@@ -4,11 +4,11 @@
 //! support of the backend, the local share of the failure policy).
 
 use super::file::{
-    ApiKeyFile, FailureFile, HotKeysFile, LimitFile, MemoryFile, PolicyFile, RedisFile, Settings,
-    TracingFile,
+    ApiKeyFile, FailureFile, HotKeysFile, HttpFile, LimitFile, MemoryFile, PolicyFile, RedisFile,
+    Settings, TracingFile,
 };
 use super::parse::{default_instance_id, parse_hex32, parse_period, parse_proxy, valid_name};
-use super::{ApiKeyConfig, Config, ConfigError, MemoryConfig};
+use super::{ApiKeyConfig, Config, ConfigError, HttpConfig, MemoryConfig};
 use crate::algorithm::{Algorithm, Limit, LimitError};
 use crate::failover::{FailoverSettings, try_share};
 use crate::hotkeys::HotKeySettings;
@@ -79,6 +79,7 @@ pub(super) fn validate(s: Settings) -> Result<Config, ConfigError> {
         ));
     }
 
+    let http = http(s.http)?;
     let memory = memory(s.memory)?;
     let backend = s.backend;
     if backend.is_shared() && key_secret.is_none() {
@@ -171,6 +172,7 @@ pub(super) fn validate(s: Settings) -> Result<Config, ConfigError> {
         key_secret,
         ipv6_prefix: s.ipv6_prefix,
         near_limit_fraction: s.near_limit_fraction,
+        http,
         memory,
         redis,
         failover,
@@ -333,6 +335,45 @@ fn tracing(t: TracingFile) -> Result<TracingSettings, ConfigError> {
         queue_size: t.queue_size,
         batch_delay: duration("tracing.batch_delay", &t.batch_delay)?,
         export_timeout: duration("tracing.export_timeout", &t.export_timeout)?,
+    })
+}
+
+pub(super) fn http(h: HttpFile) -> Result<HttpConfig, ConfigError> {
+    let header_timeout = duration("http.header_timeout", &h.header_timeout)?;
+    if header_timeout > Duration::from_secs(300) {
+        return Err(invalid(
+            "http.header_timeout",
+            "must be at most 5m: it is how long a silent or trickling client may hold a connection",
+        ));
+    }
+    let request_timeout = duration("http.request_timeout", &h.request_timeout)?;
+    if request_timeout > Duration::from_secs(3600) {
+        return Err(invalid(
+            "http.request_timeout",
+            "must be at most 1h: it is how long a stalled body may hold a connection",
+        ));
+    }
+    if h.max_connections == 0 {
+        return Err(invalid("http.max_connections", "must be at least 1"));
+    }
+    if !(1..=h.max_connections).contains(&h.max_connections_per_address) {
+        return Err(invalid(
+            "http.max_connections_per_address",
+            format!(
+                "must be from 1 to http.max_connections ({}); set it to that to cap only the total",
+                h.max_connections
+            ),
+        ));
+    }
+    if h.body_limit == 0 {
+        return Err(invalid("http.body_limit", "must be at least 1 byte"));
+    }
+    Ok(HttpConfig {
+        header_timeout,
+        request_timeout,
+        max_connections: h.max_connections,
+        max_connections_per_address: h.max_connections_per_address,
+        body_limit: h.body_limit,
     })
 }
 

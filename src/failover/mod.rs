@@ -50,10 +50,12 @@
 mod breaker;
 mod deadline;
 mod local;
+mod recent;
 
 pub use breaker::{Breaker, BreakerState, Permit, Transition};
 pub use deadline::Deadline;
 pub use local::{LocalShare, share, try_share};
+pub use recent::{Recent, RecentShare};
 
 use crate::clock::Micros;
 use crate::metrics as m;
@@ -78,6 +80,19 @@ pub struct FailoverSettings {
     pub breaker_cooldown: Duration,
 }
 
+/// The window [`BreakerHandle::recent`] reports on: long enough to see a
+/// breaker that flaps (opening, probing, closing and opening again every
+/// cooldown), short enough that readiness recovers soon after Redis does.
+pub const RECENT_WINDOW: Duration = Duration::from_secs(10);
+
+/// The share of recent checks decided by the failure mode from which
+/// `/readyz` calls an instance degraded although the breaker is closed and
+/// Redis answers a PING. On a quiet instance deadline misses decide under
+/// 1 % (`loadtest outage`: 0 to 8 of about 1200); a CPU-starved one sent
+/// 10 % to the local share, and a flapping breaker 95 %. At 5 % a client
+/// already meets the local share's smaller limit one request in twenty.
+pub const DEGRADED_SHARE: f64 = 0.05;
+
 /// A shared handle on a [`Failover`]'s breaker: what `/readyz` reports.
 #[derive(Debug, Clone)]
 pub struct BreakerHandle {
@@ -87,6 +102,8 @@ pub struct BreakerHandle {
 #[derive(Debug)]
 struct BreakerCell {
     breaker: Mutex<Breaker>,
+    /// The checks of the last [`RECENT_WINDOW`], and who decided them.
+    recent: Mutex<Recent>,
     /// The breaker's clock: monotonic, so a wall clock stepping back cannot
     /// hold it open (bucket state uses the wall clock `now`, shared with
     /// other instances; the breaker is this process's alone).
@@ -96,10 +113,15 @@ struct BreakerCell {
 impl BreakerHandle {
     fn new(failures: u32, cooldown: Duration) -> Self {
         metrics::gauge!(m::FALLBACK_ACTIVE).set(0.0);
+        // At zero from the start, so a dashboard's rate shows 0, not no data.
+        for outcome in ["answered", "failed"] {
+            metrics::counter!(m::LATE_ANSWERS_TOTAL, "outcome" => outcome).increment(0);
+        }
         metrics::gauge!(m::BREAKER_STATE).set(BreakerState::Closed.gauge());
         Self {
             shared: Arc::new(BreakerCell {
                 breaker: Mutex::new(Breaker::new(failures, cooldown)),
+                recent: Mutex::new(Recent::new(RECENT_WINDOW, 0)),
                 epoch: tokio::time::Instant::now(),
             }),
         }
@@ -108,6 +130,26 @@ impl BreakerHandle {
     /// The breaker's state now.
     pub fn state(&self) -> BreakerState {
         self.lock().state()
+    }
+
+    /// How much the failure mode decided over the last [`RECENT_WINDOW`],
+    /// and how often the breaker opened.
+    pub fn recent(&self) -> RecentShare {
+        let now = self.monotonic();
+        self.lock_recent().share(now)
+    }
+
+    fn lock_recent(&self) -> std::sync::MutexGuard<'_, Recent> {
+        self.shared
+            .recent
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A check was decided by Redis, or (`fallback`) by the failure mode.
+    fn decided(&self, fallback: bool) {
+        let now = self.monotonic();
+        self.lock_recent().decided(now, fallback);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Breaker> {
@@ -142,6 +184,9 @@ impl BreakerHandle {
         let now = self.monotonic();
         let transition = self.lock().failure(permit, now);
         if let Some(t) = transition {
+            if t.to == BreakerState::Open {
+                self.lock_recent().opened(now);
+            }
             record(t);
         }
     }
@@ -209,6 +254,7 @@ impl<S: Store> Store for Failover<S> {
                 match self.inner.check(check.with_ceiling(ceiling)).await {
                     Ok(checked) => {
                         self.breaker.success(permit);
+                        self.breaker.decided(false);
                         if let Some(decision) = &checked.decision {
                             self.local.mirror(&check, decision);
                         }
@@ -223,6 +269,28 @@ impl<S: Store> Store for Failover<S> {
                         self.breaker.success(permit);
                         return Err(e);
                     }
+                    // Too late for this request, but perhaps not for
+                    // Redis: the breaker hears when the call ends (see
+                    // `deadline`). A late answer is Redis alive; only a
+                    // call that fails or outlasts its allowance counts
+                    // against it.
+                    Err(StoreError::Deadline(late)) if late.is_pending() => {
+                        tracing::debug!(?permit, "redis check missed the deadline");
+                        let breaker = self.breaker.clone();
+                        tokio::spawn(async move {
+                            let answered = late.answered().await;
+                            metrics::counter!(
+                                m::LATE_ANSWERS_TOTAL,
+                                "outcome" => if answered { "answered" } else { "failed" },
+                            )
+                            .increment(1);
+                            if answered {
+                                breaker.success(permit);
+                            } else {
+                                breaker.failure(permit);
+                            }
+                        });
+                    }
                     Err(e) => {
                         tracing::debug!(kind = e.kind(), ?permit, "redis check failed");
                         self.breaker.failure(permit);
@@ -236,6 +304,7 @@ impl<S: Store> Store for Failover<S> {
                     "redis skipped: the circuit breaker is open"
                 );
             }
+            self.breaker.decided(true);
             self.fall_back(&check)
         })
     }

@@ -17,6 +17,8 @@ enum Health {
     Up,
     Refusing,
     Hung,
+    /// Answers, after this long.
+    Slow(Duration),
 }
 
 /// A real in-process store behind a switch: up, refusing connections (an
@@ -64,6 +66,13 @@ impl Store for Switch {
                     std::io::Error::from(std::io::ErrorKind::ConnectionRefused),
                 ))),
                 Health::Hung => std::future::pending().await,
+                Health::Slow(wait) => {
+                    tokio::time::sleep(wait).await;
+                    inner.check(check).await.map(|checked| Checked {
+                        source: Source::Redis,
+                        ..checked
+                    })
+                }
             }
         })
     }
@@ -90,6 +99,20 @@ fn failover(store: &Arc<Switch>, instances: u64) -> Failover<Deadline<Arc<Switch
         Deadline::new(Arc::clone(store), settings.deadline),
         &settings,
         LocalShare::new(instances, 1000, 1),
+    )
+}
+
+/// As `server.rs` builds it: a call that misses the deadline goes on for
+/// `allowance` (the Redis response timeout) in case it is answered late.
+fn failover_awaiting_late_answers(
+    store: &Arc<Switch>,
+    allowance: Duration,
+) -> Failover<Deadline<Arc<Switch>>> {
+    let settings = settings(1);
+    Failover::new(
+        Deadline::new(Arc::clone(store), settings.deadline).late_within(allowance),
+        &settings,
+        LocalShare::new(1, 1000, 1),
     )
 }
 
@@ -198,6 +221,84 @@ async fn the_breaker_stops_calling_a_failing_store_then_probes_once() {
     assert_eq!(c.source, Source::Redis);
     assert_eq!(store.calls(), 4);
     assert_eq!(f.breaker().state(), BreakerState::Closed);
+}
+
+/// A check that misses its deadline but is answered within the allowance
+/// proves the store alive: the request was decided by its failure mode at
+/// the deadline, but the breaker does not count a failure. (What a starved
+/// instance sees: the answer waits in the socket, not in Redis.) One that
+/// is not answered within the allowance is a failure, as before.
+#[tokio::test(start_paused = true)]
+async fn late_answers_keep_the_breaker_closed_and_missing_ones_open_it() {
+    let store = Switch::new();
+    let f = failover_awaiting_late_answers(&store, Duration::from_millis(50));
+    let limit = Limit::per_second(1000, 1).unwrap();
+    // 30 ms: past the 20 ms deadline, within the 50 ms allowance.
+    store.set(Health::Slow(Duration::from_millis(30)));
+    for i in 0..10 {
+        let started = tokio::time::Instant::now();
+        let c = check(&f, 1, limit, 1, T0 + i, FailureMode::Local)
+            .await
+            .unwrap();
+        assert_eq!(started.elapsed(), Duration::from_millis(20), "the deadline");
+        assert_eq!(c.source, Source::Local);
+        // The late answer comes in.
+        tokio::time::sleep(Duration::from_millis(40)).await;
+    }
+    assert_eq!(
+        f.breaker().state(),
+        BreakerState::Closed,
+        "ten deadline misses, every one answered: the store is alive"
+    );
+    assert_eq!(store.calls(), 10, "every check still asked the store");
+    let recent = f.breaker().recent();
+    assert_eq!(recent.fallback_share, 1.0, "yet the fallback decided them");
+
+    // 80 ms: not answered within the allowance: failures.
+    store.set(Health::Slow(Duration::from_millis(80)));
+    for i in 0..3 {
+        check(&f, 1, limit, 1, T0 + 20 + i, FailureMode::Local)
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(40)).await;
+    }
+    assert_eq!(f.breaker().state(), BreakerState::Open);
+    assert_eq!(f.breaker().recent().breaker_opens, 1);
+}
+
+/// What `/readyz` reads: the share of recent checks the fallback decided,
+/// over the window, whatever the breaker's state is now.
+#[tokio::test(start_paused = true)]
+async fn the_recent_share_counts_fallbacks_and_fades() {
+    let store = Switch::new();
+    let f = failover(&store, 2);
+    let limit = Limit::per_second(1000, 1).unwrap();
+    for i in 0..10 {
+        check(&f, 1, limit, 1, T0 + i, FailureMode::Local)
+            .await
+            .unwrap();
+    }
+    assert_eq!(f.breaker().recent().fallback_share, 0.0);
+    store.set(Health::Refusing);
+    for i in 0..10 {
+        check(&f, 1, limit, 1, T0 + 10 + i, FailureMode::Local)
+            .await
+            .unwrap();
+    }
+    let recent = f.breaker().recent();
+    assert_eq!(recent.fallback_share, 0.5, "{recent:?}");
+    assert_eq!(recent.breaker_opens, 1);
+    // Back, and a probe closes the breaker: the share stays until the
+    // window forgets it.
+    store.set(Health::Up);
+    tokio::time::advance(Duration::from_millis(500)).await;
+    check(&f, 1, limit, 1, T0 + SEC, FailureMode::Local)
+        .await
+        .unwrap();
+    assert_eq!(f.breaker().state(), BreakerState::Closed);
+    assert!(f.breaker().recent().fallback_share > 0.45);
+    tokio::time::advance(2 * RECENT_WINDOW).await;
+    assert_eq!(f.breaker().recent().fallback_share, 0.0);
 }
 
 #[tokio::test(start_paused = true)]

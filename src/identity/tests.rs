@@ -514,3 +514,22 @@ mod structured {
         }
     }
 }
+
+/// The per-address connection cap counts a host as the limiter keys it:
+/// an IPv6 host by its /64, an IPv4-mapped address as the IPv4 one, and a
+/// trusted proxy not at all.
+#[test]
+fn connections_are_owned_as_clients_are_keyed() {
+    let id = identifier(&["10.0.0.0/24"]);
+    assert_eq!(id.connection_owner(ip("192.0.2.7")), Some(ip("192.0.2.7")));
+    assert_eq!(
+        id.connection_owner(ip("::ffff:192.0.2.7")),
+        Some(ip("192.0.2.7"))
+    );
+    assert_eq!(
+        id.connection_owner(ip("2001:db8:0:1:abcd::9")),
+        Some(ip("2001:db8:0:1::"))
+    );
+    assert_eq!(id.connection_owner(ip("10.0.0.9")), None, "a trusted proxy");
+    assert_eq!(id.connection_owner(ip("::ffff:10.0.0.9")), None);
+}

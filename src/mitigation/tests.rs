@@ -356,7 +356,9 @@ mod leases {
                 .unwrap()
                 .push((check.cost, check.on_failure));
             if *self.failing.lock().unwrap() {
-                return Box::pin(std::future::ready(Err(StoreError::Deadline)));
+                return Box::pin(std::future::ready(Err(StoreError::Deadline(
+                    crate::store::Late::unknown(),
+                ))));
             }
             self.inner.check(check)
         }

@@ -21,15 +21,51 @@ pub enum StoreError {
     /// Redis failed or did not answer in time.
     #[error("redis: {0}")]
     Redis(#[from] ::redis::RedisError),
-    /// The call outlasted the check's deadline (and was dropped).
+    /// The call outlasted the check's deadline; whether the store still
+    /// answered is known later (see [`Late`]).
     #[error("the store did not answer within the deadline")]
-    Deadline,
+    Deadline(Late),
     /// The shared store is away and the policy fails closed.
     #[error("the shared store is unavailable")]
     Unavailable {
         /// When a retry may succeed (the breaker's next probe, at least 1 s).
         retry_after: Duration,
     },
+}
+
+/// What became of a call that missed its deadline: the request could not
+/// wait, but the call may go on and the store answer after all. An answer
+/// that arrives proves the store alive (the wait may have been this
+/// instance's own: a starved CPU), which the failure policy needs to know
+/// before it blames the store.
+#[derive(Debug)]
+pub struct Late(Option<tokio::sync::oneshot::Receiver<bool>>);
+
+impl Late {
+    /// A call that was dropped at the deadline: nobody will know.
+    pub fn unknown() -> Self {
+        Self(None)
+    }
+
+    /// A call going on, whose outcome `answered` will be sent.
+    pub fn pending() -> (tokio::sync::oneshot::Sender<bool>, Self) {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        (tx, Self(Some(rx)))
+    }
+
+    /// Whether the call goes on, so that its outcome will be known.
+    pub fn is_pending(&self) -> bool {
+        self.0.is_some()
+    }
+
+    /// Whether the store answered after all (false for a call dropped, or
+    /// failed, or not answered within its allowance).
+    pub async fn answered(self) -> bool {
+        match self.0 {
+            Some(rx) => rx.await.unwrap_or(false),
+            None => false,
+        }
+    }
 }
 
 impl StoreError {
@@ -48,7 +84,7 @@ impl StoreError {
             StoreError::CostExceedsBurst(_) => "cost_exceeds_burst",
             StoreError::UnsupportedAlgorithm { .. } => "unsupported_algorithm",
             StoreError::Redis(e) => redis_error_kind(e),
-            StoreError::Deadline => "deadline",
+            StoreError::Deadline(_) => "deadline",
             StoreError::Unavailable { .. } => "unavailable",
         }
     }

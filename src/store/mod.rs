@@ -30,7 +30,7 @@ pub mod redis;
 
 pub use crate::key::BucketKey;
 pub use counted::Counted;
-pub use error::{KINDS, StoreError, redis_error_kind};
+pub use error::{KINDS, Late, StoreError, redis_error_kind};
 pub use memory::MemoryStore;
 pub use redis::{LuaStore, NaiveStore};
 

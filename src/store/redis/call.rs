@@ -3,8 +3,11 @@
 //! `ratelimit_redis_errors_total`) and a client span with the node's
 //! address and the key's slot.
 //!
-//! A call the check's deadline cuts short is dropped mid-flight: the guard
-//! records it then, as `deadline`, so a slow node shows its misses.
+//! A call that misses the check's deadline goes on for the rest of the
+//! Redis response timeout (see `failover::Deadline`) and is recorded as
+//! whatever it became: answered (with its whole, late, duration) or
+//! failed. One dropped mid-flight (past that allowance, or its request
+//! gone) is recorded then, as `deadline`.
 
 use super::topology::{Node, Topology};
 use crate::metrics as m;
@@ -99,8 +102,8 @@ impl Call {
 impl Drop for Call {
     fn drop(&mut self) {
         if !self.done {
-            // Dropped in flight: the check's deadline passed (or the
-            // request went away).
+            // Dropped in flight: past the deadline's allowance for a late
+            // answer (or the request went away).
             self.record(Some("deadline"));
         }
     }

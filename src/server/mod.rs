@@ -1,6 +1,9 @@
 //! Wiring and serving: the one place an instance is assembled from its
 //! config (the store stack, the limiter, the handlers' state), then bound,
-//! served and shut down gracefully.
+//! served and shut down gracefully. How connections are accepted, capped
+//! and timed out is [`connections`].
+
+pub mod connections;
 
 use crate::api::{AppState, Health, app};
 use crate::clock::{Clock, FastClock};
@@ -73,7 +76,12 @@ pub fn shared_stack<S: Store>(store: S, config: &Config) -> Stack {
         config.memory.shards,
     );
     let failover = Failover::new(
-        Counted::new(Deadline::new(store, settings.deadline)),
+        // A late answer may still arrive within the Redis client's own
+        // response timeout: until then, a deadline miss is not yet Redis's
+        // fault (see `failover::Deadline`).
+        Counted::new(
+            Deadline::new(store, settings.deadline).late_within(config.redis.response_timeout),
+        ),
         settings,
         local,
     );
@@ -163,7 +171,7 @@ pub fn state_with_stack(config: &Config, stack: Stack, clock: Arc<dyn Clock>) ->
         breaker: stack.breaker,
         failure_mode: config.failover.mode,
     };
-    AppState::new(limiter, health, handle, &config.instance_id)
+    AppState::new(limiter, health, handle, &config.instance_id).with_http(config.http.clone())
 }
 
 /// Re-reads the config on demand (SIGHUP) and puts a new limiter in force.
@@ -172,7 +180,7 @@ pub fn state_with_stack(config: &Config, stack: Stack, clock: Arc<dyn Clock>) ->
 /// IPv6 prefix, the near-limit fraction and the hot-key detector: all of
 /// it lives in the limiter, which is replaced whole. The store stack is
 /// kept, so live buckets (in Redis or in memory), the local share and the
-/// breaker carry on. What needs a restart (the listen address, the
+/// breaker carry on. What needs a restart (the listen address, the HTTP bounds, the
 /// backend, Redis, the failure settings, tracing, the instance id, the
 /// key secret, which keys every bucket) refuses the whole reload, naming
 /// the fields: a file is applied entirely or not at all.
@@ -218,6 +226,7 @@ pub fn restart_only_changes(running: &Config, new: &Config) -> Vec<&'static str>
     check("backend", running.backend == new.backend);
     check("instance_id", running.instance_id == new.instance_id);
     check("key_secret", running.key_secret == new.key_secret);
+    check("http", running.http == new.http);
     check("memory", running.memory == new.memory);
     check("redis", running.redis == new.redis);
     check("failure", running.failover == new.failover);
@@ -356,6 +365,14 @@ async fn run_instance(config: &Config, cli: Option<Cli>) -> Result<(), RunError>
             config.trusted_proxy_warn_addresses
         );
     }
+    if let Some(limit) = connections::over_descriptor_limit(config.http.max_connections) {
+        tracing::warn!(
+            max_connections = config.http.max_connections,
+            open_files_limit = limit,
+            "http.max_connections plus {} descriptors for everything else is over the process's open-files limit: accept will fail at the limit before the cap applies; raise ulimit -n (LimitNOFILE) or lower http.max_connections",
+            connections::RESERVED_DESCRIPTORS
+        );
+    }
     if config.key_secret.is_none() {
         tracing::warn!(
             "key_secret not set: identities are hashed with a random per-process key; set RL_KEY_SECRET when instances share a store"
@@ -392,7 +409,7 @@ async fn run_instance(config: &Config, cli: Option<Cli>) -> Result<(), RunError>
 }
 
 /// Serves `state` on `listener` until `shutdown` completes, then finishes
-/// the requests in flight.
+/// the requests in flight; within `state.http`'s timeouts and caps.
 pub async fn serve(
     listener: TcpListener,
     state: AppState,
@@ -407,13 +424,11 @@ pub async fn serve(
             handle.run_upkeep();
         }
     });
+    let settings = state.http.clone();
+    let limiter = Arc::clone(&state.limiter);
     let router = app(state);
-    let result = axum::serve(
-        listener,
-        router.into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(shutdown)
-    .await;
+    let result =
+        connections::serve_connections(listener, router, limiter, &settings, shutdown).await;
     upkeep.abort();
     result
 }
