@@ -837,3 +837,82 @@ async fn a_call_cut_short_by_the_deadline_is_counted_against_its_node() {
     assert_eq!(err.kind(), "deadline");
     assert_eq!(errors(), 1.0);
 }
+
+/// The hand-back ceiling against a real Redis restart: a client spends its
+/// burst in Redis; Redis is killed (the local share takes over, starting
+/// where Redis left off) and restarted empty. With the ceiling, the client
+/// gets back only what one bucket would hold by then (3 of 30); in a
+/// deliberately broken build without it, the empty Redis hands it all 30
+/// again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_redis_hands_back_no_fresh_burst() {
+    use ratelimiter::failover::{Deadline, Failover, FailoverSettings, LocalShare};
+    use ratelimiter::store::{FailureMode, Source};
+    for ceiling in [true, false] {
+        let mut redis = RedisServer::start().unwrap();
+        let settings = settings(vec![redis.url()], false);
+        let failover_settings = FailoverSettings {
+            mode: FailureMode::Local,
+            deadline: Duration::from_secs(2),
+            instances: 3,
+            breaker_failures: 1,
+            breaker_cooldown: Duration::from_millis(200),
+        };
+        let f = Failover::new(
+            Deadline::new(lua(&settings).await, failover_settings.deadline),
+            &failover_settings,
+            LocalShare::new(3, 1000, 1),
+        );
+        let f = if ceiling {
+            f
+        } else {
+            f.without_hand_back_ceiling()
+        };
+        let limit = Limit::per_second(30, 3).unwrap();
+        let key = BucketKey(77);
+        let burst = |now: u64| {
+            let f = &f;
+            async move {
+                let mut by = std::collections::BTreeMap::<&str, u32>::new();
+                for _ in 0..40 {
+                    let c = f
+                        .check(Check::new(key, limit, 1, now).on_failure(FailureMode::Local))
+                        .await
+                        .unwrap();
+                    if c.decision.unwrap().allowed {
+                        *by.entry(c.source.as_str()).or_default() += 1;
+                    }
+                }
+                by
+            }
+        };
+        assert_eq!(burst(T0).await.get("redis"), Some(&30));
+        redis.kill().unwrap();
+        // The local share (10 at 1/s) starts empty, as Redis left it.
+        let away = burst(T0 + 1_000_000).await;
+        assert_eq!(away.get("local"), Some(&1), "{away:?}");
+        redis.restart().unwrap();
+        // Until the connection is back and the breaker has cooled down.
+        let back = T0 + 2_000_000;
+        let mut admitted = 0;
+        let mut from_redis = false;
+        for _ in 0..100 {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            let c = f
+                .check(Check::new(key, limit, 0, back).on_failure(FailureMode::Local))
+                .await
+                .unwrap();
+            if c.source == Source::Redis {
+                from_redis = true;
+                break;
+            }
+        }
+        assert!(from_redis, "Redis never decided again");
+        admitted += burst(back).await.values().sum::<u32>();
+        if ceiling {
+            assert_eq!(admitted, 3, "a tenth of the bucket, as one bucket holds");
+        } else {
+            assert_eq!(admitted, 30, "without the ceiling: a fresh burst");
+        }
+    }
+}

@@ -335,9 +335,14 @@ async fn each_mode_answers_for_itself_while_the_store_refuses() {
 /// Redis returns empty (restarted) or refilled (it was only unreachable).
 #[tokio::test(start_paused = true)]
 async fn redis_returning_grants_no_fresh_burst() {
-    for restarted in [true, false] {
+    for (restarted, ceiling) in [(true, true), (false, true), (true, false), (false, false)] {
         let store = Switch::new();
         let f = failover(&store, 3);
+        let f = if ceiling {
+            f
+        } else {
+            f.without_hand_back_ceiling()
+        };
         let limit = Limit::per_second(30, 3).unwrap();
         let local = FailureMode::Local;
         assert_eq!(
@@ -358,6 +363,13 @@ async fn redis_returning_grants_no_fresh_burst() {
         let back = T0 + 2 * SEC;
         let admitted = burst(&f, limit, 40, back, local).await;
         assert_eq!(f.breaker().state(), BreakerState::Closed);
+        if !ceiling {
+            // Without the ceiling, what Redis holds: a fresh burst if it
+            // restarted empty, else its 2 s of refill (6), on top of the
+            // local share's token: 37 in 2 s where one bucket allows 36.
+            assert_eq!(admitted, if restarted { 30 } else { 6 }, "no ceiling");
+            continue;
+        }
         // The local bucket refilled 1 of 10 tokens in the second since:
         // the shared bucket may hold a tenth of its capacity, 3 tokens.
         assert_eq!(admitted, 3, "restarted={restarted}");
