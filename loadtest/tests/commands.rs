@@ -218,8 +218,11 @@ fn csv_rows(path: &std::path::Path) -> Vec<HashMap<String, String>> {
         .collect()
 }
 
-/// The comparison on a small policy: each algorithm keeps (or breaks) the
-/// promise it makes, measured through its script on a real Redis.
+/// The comparison on the README's policy (100 at 10/s, W = 10 s; fewer keys
+/// for the memory and cost runs): each algorithm keeps (or breaks) the
+/// promise it makes, measured through its script on a real Redis, and the
+/// README's accuracy columns are exactly what it measures (the traffic is
+/// seeded and the time simulated, so they reproduce).
 #[test]
 fn compare_shows_each_algorithm_keeping_its_promise() {
     let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
@@ -227,7 +230,7 @@ fn compare_shows_each_algorithm_keeping_its_promise() {
     std::fs::create_dir_all(&dir).unwrap();
     let prefix = dir.join("cmp");
     let out = Command::new(BIN)
-        .args(["compare", "--burst", "20", "--rate", "10", "--keys", "40"])
+        .args(["compare", "--burst", "100", "--rate", "10", "--keys", "40"])
         .arg("--csv")
         .arg(&prefix)
         .output()
@@ -247,20 +250,39 @@ fn compare_shows_each_algorithm_keeping_its_promise() {
             .unwrap_or_else(|| panic!("no row {shape}/{algorithm}"))
             .clone()
     };
+    // The README's table: most admitted in any window over the limit, by
+    // shape (boundary, idle-burst, steady, poisson).
+    let readme = [
+        ("token_bucket", ["1.01", "1.99", "1.99", "1.94"]),
+        ("gcra", ["1.01", "1.99", "1.99", "1.94"]),
+        ("fixed_window", ["2.00", "1.66", "1.00", "1.56"]),
+        ("sliding_log", ["1.00", "1.00", "1.00", "1.00"]),
+        ("sliding_window", ["1.00", "1.32", "1.00", "1.03"]),
+    ];
+    for (algorithm, ratios) in readme {
+        for (shape, ratio) in ["boundary", "idle-burst", "steady", "poisson"]
+            .into_iter()
+            .zip(ratios)
+        {
+            let worst: f64 = get(shape, algorithm)["worst_in_window"].parse().unwrap();
+            assert_eq!(
+                format!("{:.2}", worst / 100.0),
+                ratio,
+                "{algorithm} on {shape}"
+            );
+        }
+    }
     for r in &accuracy {
-        let worst: u64 = r["worst_in_window"].parse().unwrap();
         let excess: f64 = r["excess_over_bucket"].parse().unwrap();
         match r["algorithm"].as_str() {
             // Exact: never above the limit in any window, the reference.
             "sliding_log" => {
-                assert!(worst <= 20, "{r:?}");
                 assert_eq!(r["false_denials"], "0");
                 assert_eq!(r["extra_admissions"], "0");
             }
             // Bounded by burst + rate x t, in every interval.
-            "token_bucket" | "gcra" => assert_eq!(excess, 0.0, "{r:?}"),
-            // At most twice the limit across a boundary.
-            "fixed_window" | "sliding_window" => assert!(worst <= 40, "{r:?}"),
+            "token_bucket" | "gcra" | "sliding_window" => assert_eq!(excess, 0.0, "{r:?}"),
+            "fixed_window" => {}
             other => panic!("{other}"),
         }
         // GCRA is the token bucket.
@@ -270,8 +292,10 @@ fn compare_shows_each_algorithm_keeping_its_promise() {
             assert_eq!(r["worst_in_window"], bucket["worst_in_window"]);
         }
     }
-    // The fixed window's failure, measured: exactly 2x at the boundary.
-    assert_eq!(get("boundary", "fixed_window")["worst_in_window"], "40");
+    // The fixed window's failure, measured: exactly 2x at the boundary,
+    // 98.5 requests beyond what one bucket allows (the README's figure).
+    assert_eq!(get("boundary", "fixed_window")["worst_in_window"], "200");
+    assert_eq!(get("boundary", "fixed_window")["excess_over_bucket"], "98.505");
     // Memory: the log grows with the rate; the others are one small value.
     let memory = csv("memory");
     let bytes = |algorithm: &str, rate: &str| -> u64 {
@@ -288,10 +312,10 @@ fn compare_shows_each_algorithm_keeping_its_promise() {
     // Cost: every check counted by Redis itself.
     let cost = csv("cost");
     assert_eq!(cost.len(), 5);
+    // (What each costs, µs per call, is a timing: reported, not asserted.)
     for r in &cost {
-        assert_eq!(r["checks"], (40 * 30).to_string(), "{r:?}");
-        let us: f64 = r["evalsha_us"].parse().unwrap();
-        assert!(us > 0.0);
+        // 40 keys x 1.5 x the burst, every one counted by Redis itself.
+        assert_eq!(r["checks"], (40 * 150).to_string(), "{r:?}");
     }
     std::fs::remove_dir_all(dir).unwrap();
 }
