@@ -295,7 +295,10 @@ fn compare_shows_each_algorithm_keeping_its_promise() {
     // The fixed window's failure, measured: exactly 2x at the boundary,
     // 98.5 requests beyond what one bucket allows (the README's figure).
     assert_eq!(get("boundary", "fixed_window")["worst_in_window"], "200");
-    assert_eq!(get("boundary", "fixed_window")["excess_over_bucket"], "98.505");
+    assert_eq!(
+        get("boundary", "fixed_window")["excess_over_bucket"],
+        "98.505"
+    );
     // Memory: the log grows with the rate; the others are one small value.
     let memory = csv("memory");
     let bytes = |algorithm: &str, rate: &str| -> u64 {

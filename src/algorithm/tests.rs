@@ -152,6 +152,13 @@ proptest! {
             prop_assert!(aligned <= limit.burst());
         }
         prop_assert!(worst_window(&ok, w) <= 2 * limit.burst());
+        // Every refusal was needed: the window's count had no room.
+        for (&(t, cost), d) in calls.iter().zip(&decisions) {
+            if !d.allowed {
+                let aligned: u64 = ok.iter().filter(|&&(u, _)| u / w == t / w && u <= t).map(|&(_, c)| c).sum();
+                prop_assert!(aligned + cost > limit.burst(), "refused at {} with room", t);
+            }
+        }
     }
 
     /// The sliding-window counter never passes the limit within one aligned
@@ -175,6 +182,55 @@ proptest! {
             );
         }
         prop_assert!(worst_window(&ok, w) <= 2 * limit.burst());
+        // Every refusal was needed: the estimate with this request in it
+        // would have passed the limit.
+        for (&(t, cost), d) in calls.iter().zip(&decisions) {
+            if !d.allowed {
+                let index = t / w;
+                let cur: u64 = ok.iter().filter(|&&(u, _)| u / w == index && u <= t).map(|&(_, c)| c).sum();
+                let prev: u64 = ok.iter().filter(|&&(u, _)| u / w + 1 == index).map(|&(_, c)| c).sum();
+                let e = t - index * w;
+                prop_assert!(
+                    u128::from(prev) * u128::from(w - e) + u128::from(cur + cost) * u128::from(w)
+                        > u128::from(limit.burst()) * u128::from(w),
+                    "refused at {} with room", t
+                );
+            }
+        }
+    }
+
+    /// A clock that steps backwards refills nothing and changes nothing
+    /// (the token bucket's promise): a call at an instant before the one
+    /// the stored bucket was last computed for is decided exactly as at
+    /// that instant, admitted or not, with the same remaining tokens and
+    /// the same state kept, and the stored instant never moves back.
+    /// Calls step back by up to 5 s among forward steps.
+    #[test]
+    fn a_clock_stepping_back_refills_nothing_and_changes_nothing(
+        limit in limit_strategy(),
+        steps in prop::collection::vec(
+            (prop_oneof![4 => 0i64..=3_000_000, 1 => -5_000_000i64..=0], 0u64..=4),
+            1..200,
+        ),
+    ) {
+        let mut now = T0 as i64;
+        let mut state: Option<State> = None;
+        for &(dt, cost) in &steps {
+            now += dt;
+            let cost = cost.min(limit.burst());
+            let (d, next) = check(&limit, state.clone(), cost, now as u64).unwrap();
+            if let Some(State::Bucket(before)) = &state
+                && (now as u64) < before.last
+            {
+                let (at_last, next_at_last) = check(&limit, state.clone(), cost, before.last).unwrap();
+                prop_assert_eq!((d.allowed, d.remaining), (at_last.allowed, at_last.remaining));
+                prop_assert_eq!(&next, &next_at_last);
+            }
+            if let (Some(State::Bucket(before)), Some(State::Bucket(after))) = (&state, &next) {
+                prop_assert!(after.last >= before.last, "the stored instant moved back");
+            }
+            state = next;
+        }
     }
 }
 
