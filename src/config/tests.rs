@@ -27,6 +27,48 @@ fn no_file_gives_the_documented_defaults() {
     assert_eq!(p.limit, Some(Limit::per_second(100, 10).unwrap()));
     assert_eq!(p.anonymous, p.limit);
     assert!(p.methods.is_empty() && p.failure_mode.is_none());
+    assert!(!p.shadow && !p.deny_cache && p.lease == 0 && p.shards == 1);
+    // Redis, as the README's table says.
+    let r = &c.redis;
+    assert_eq!(r.urls, ["redis://127.0.0.1:6379"]);
+    assert!(!r.cluster);
+    assert_eq!(r.prefix, "rl:");
+    assert_eq!(r.connect_timeout, Duration::from_millis(200));
+    assert_eq!(r.response_timeout, Duration::from_millis(50));
+    assert_eq!(r.retries, 1);
+    assert_eq!(r.ttl_margin, Duration::from_secs(1));
+    assert_eq!(r.topology_refresh, Duration::from_secs(1));
+    // Failure: local share, 10 ms, one instance, 5 failures, 500 ms.
+    let f = &c.failover;
+    assert_eq!(f.mode, crate::store::FailureMode::Local);
+    assert_eq!(f.deadline, Duration::from_millis(10));
+    assert_eq!(f.instances, 1);
+    assert_eq!(f.breaker_failures, 5);
+    assert_eq!(f.breaker_cooldown, Duration::from_millis(500));
+    // The rest of the table.
+    assert_eq!(c.near_limit_fraction, 0.2);
+    assert_eq!(c.deny_cache_max_keys, 100_000);
+    assert_eq!(c.trusted_proxy_warn_addresses, 256);
+    let h = &c.hot_keys;
+    assert_eq!(
+        (h.tracked, h.top, h.window),
+        (128, 5, Duration::from_secs(10))
+    );
+    let http = &c.http;
+    assert_eq!(http.header_timeout, Duration::from_secs(10));
+    assert_eq!(http.request_timeout, Duration::from_secs(30));
+    assert_eq!(
+        (http.max_connections, http.max_connections_per_address),
+        (512, 128)
+    );
+    assert_eq!(http.body_limit, 2_097_152);
+    let t = &c.tracing;
+    assert!(t.endpoint.is_none());
+    assert_eq!(t.service_name, "ratelimiter");
+    assert_eq!(t.sampler_arg, 1.0);
+    assert_eq!(t.queue_size, 2048);
+    assert_eq!(t.batch_delay, Duration::from_secs(1));
+    assert_eq!(t.export_timeout, Duration::from_secs(5));
 }
 
 #[test]
