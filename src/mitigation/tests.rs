@@ -41,6 +41,19 @@ fn requests(instances: usize, max_cost: u64) -> impl Strategy<Value = Vec<(usize
     prop::collection::vec((0..instances, step, 1..=max_cost), 1..300)
 }
 
+/// What one exact bucket admits of `requests` (time, cost), fed alone.
+fn exact(limit: &Limit, requests: &[(u64, u64)]) -> Vec<bool> {
+    let mut state: Option<crate::algorithm::State> = None;
+    requests
+        .iter()
+        .map(|&(now, cost)| {
+            let (d, s) = crate::algorithm::check(limit, state.take(), cost, now).unwrap();
+            state = s;
+            d.allowed
+        })
+        .collect()
+}
+
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .build()
@@ -221,7 +234,6 @@ fn memory_is_bounded_and_expired_denials_make_room() {
 
 mod leases {
     use super::*;
-    use crate::algorithm::{self, State};
     use crate::mitigation::{Leases, lease_life};
     use crate::store::{FailureMode, StoreError};
     use std::sync::Mutex;
@@ -241,19 +253,6 @@ mod leases {
                 requests(3, 2),
             )
         })
-    }
-
-    /// What one exact bucket admits of `requests` (time, cost), fed alone.
-    fn exact(limit: &Limit, requests: &[(u64, u64)]) -> Vec<bool> {
-        let mut state: Option<State> = None;
-        requests
-            .iter()
-            .map(|&(now, cost)| {
-                let (d, s) = algorithm::check(limit, state.take(), cost, now).unwrap();
-                state = s;
-                d.allowed
-            })
-            .collect()
     }
 
     proptest! {
@@ -441,22 +440,8 @@ mod leases {
 
 mod shards {
     use super::*;
-    use crate::algorithm::{self, State};
     use crate::key::SLOTS;
     use crate::mitigation::{MAX_SHARDS, Sharded, shard_key, shard_limit};
-
-    /// What one exact bucket admits of `requests` (time, cost), fed alone.
-    fn exact(limit: &Limit, requests: &[(u64, u64)]) -> Vec<bool> {
-        let mut state: Option<State> = None;
-        requests
-            .iter()
-            .map(|&(now, cost)| {
-                let (d, s) = algorithm::check(limit, state.take(), cost, now).unwrap();
-                state = s;
-                d.allowed
-            })
-            .collect()
-    }
 
     /// A token-bucket or GCRA limit with at least `shards` tokens.
     fn case() -> impl Strategy<Value = (Limit, u16, usize, Vec<(usize, u64, u64)>)> {
