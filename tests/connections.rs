@@ -33,28 +33,49 @@ struct Instance {
 
 impl Instance {
     fn start() -> Self {
-        let port = free_port().unwrap();
-        let child = Command::new(BIN)
-            .args(["--backend", "memory", "--instance-id", "conn-test"])
-            .args(["--listen", &format!("127.0.0.1:{port}")])
-            .args([
-                "--http-header-timeout",
-                "2s",
-                "--http-request-timeout",
-                "2s",
-            ])
-            .args(["--http-max-connections", &MAX_CONNECTIONS.to_string()])
-            .args([
-                "--http-max-connections-per-address",
-                &PER_ADDRESS.to_string(),
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let proc = ChildGuard(child);
-        wait_for_port(port, "ratelimiter").unwrap();
-        Self { port, proc }
+        // Tests start instances at once, each on a port found free a moment
+        // before: two can pick the same one, and then one instance exits
+        // and its test would talk to the other's (whose caps another test
+        // fills). So a test uses the port only once its own instance is
+        // seen to hold it.
+        static STARTED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        for _ in 0..5 {
+            let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let id = format!("conn-test-{}-{n}", std::process::id());
+            let port = free_port().unwrap();
+            let child = Command::new(BIN)
+                .args(["--backend", "memory", "--instance-id", &id])
+                .args(["--listen", &format!("127.0.0.1:{port}")])
+                .args([
+                    "--http-header-timeout",
+                    "2s",
+                    "--http-request-timeout",
+                    "2s",
+                ])
+                .args(["--http-max-connections", &MAX_CONNECTIONS.to_string()])
+                .args([
+                    "--http-max-connections-per-address",
+                    &PER_ADDRESS.to_string(),
+                ])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap();
+            let mut proc = ChildGuard(child);
+            wait_for_port(port, "ratelimiter").unwrap();
+            // An instance that could not bind exits at once ("address in
+            // use"); one still running a second later holds the port.
+            let started = std::time::Instant::now();
+            let mut exited = false;
+            while started.elapsed() < Duration::from_secs(1) && !exited {
+                exited = proc.0.try_wait().unwrap().is_some();
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            if !exited {
+                return Self { port, proc };
+            }
+        }
+        panic!("no port of its own after 5 tries");
     }
 
     fn addr(&self) -> SocketAddr {
@@ -224,7 +245,16 @@ async fn slow_clients_beyond_the_cap_are_refused_and_timed_out_while_others_are_
         "descriptors went from {before} to {peak} (cap {MAX_CONNECTIONS})"
     );
 
-    let text = instance.metrics().await;
+    // A connection's timeout is counted as its task ends, which can be a
+    // moment after the client saw it closed: scrape until it is in.
+    let mut text = instance.metrics().await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while metric(&text, "http_server_header_timeouts_total") < timed_out as f64
+        && Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        text = instance.metrics().await;
+    }
     let refused = metric(
         &text,
         "http_server_connections_refused_total{reason=\"max_connections_per_address\"}",
@@ -252,18 +282,32 @@ async fn slow_clients_beyond_the_cap_are_refused_and_timed_out_while_others_are_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_total_cap_closes_the_connection_over_it_at_once() {
     let instance = Instance::start();
+    let idle = instance.descriptors();
     let refused_before = metric(
         &instance.metrics().await,
         "http_server_connections_refused_total{reason=\"max_connections\"}",
     );
-    // Sixteen idle connections from two addresses, eight each.
+    // Until the server has seen that scrape's connection go (it would take
+    // a slot); then sixteen idle connections from two addresses, eight
+    // each, and until the server has accepted them all (on a loaded
+    // machine that takes a while; the next must find the cap full).
+    let settle = |want: usize| {
+        let instance = &instance;
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while instance.descriptors() != want && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            assert_eq!(instance.descriptors(), want);
+        }
+    };
+    settle(idle).await;
     let mut held = Vec::new();
     for i in 0..MAX_CONNECTIONS {
         let source = [127, 0, 1, 1 + (i / PER_ADDRESS) as u8];
         held.push(instance.connect_from(source).await);
     }
-    // Give the server time to accept them all before the next arrives.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    settle(idle + MAX_CONNECTIONS).await;
     let mut over = instance.connect_from([127, 0, 1, 9]).await;
     let closed = closed_within(&mut over, HEADER_TIMEOUT / 2).await;
     assert!(
