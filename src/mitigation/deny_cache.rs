@@ -28,15 +28,12 @@
 //! drops its expired entries, and if none have expired, remembers nothing
 //! new (the store then decides, as without a cache).
 
+use super::table::{KeyTable, micros};
 use crate::algorithm::{Decision, Limit};
 use crate::clock::Micros;
-use crate::key::BucketKey;
 use crate::store::{BoxFuture, Check, Checked, Source, Store, StoreError};
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
-
-const SHARDS: usize = 16;
 
 /// One remembered denial.
 #[derive(Debug, Clone, Copy)]
@@ -56,12 +53,7 @@ struct Denial {
 #[derive(Debug)]
 pub struct DenyCache<S> {
     inner: S,
-    shards: Box<[Mutex<HashMap<BucketKey, Denial>>]>,
-    per_shard: usize,
-}
-
-fn micros(d: Duration) -> Micros {
-    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+    denials: KeyTable<Denial>,
 }
 
 impl<S> DenyCache<S> {
@@ -69,21 +61,13 @@ impl<S> DenyCache<S> {
     pub fn new(inner: S, max_keys: usize) -> Self {
         Self {
             inner,
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
-            per_shard: max_keys.div_ceil(SHARDS).max(1),
+            denials: KeyTable::new(max_keys),
         }
-    }
-
-    fn shard(&self, key: BucketKey) -> std::sync::MutexGuard<'_, HashMap<BucketKey, Denial>> {
-        // The key is a keyed hash: its low bits are uniform.
-        self.shards[(key.0 as usize) % SHARDS]
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The remembered denial answering `check`, if one holds.
     fn answer(&self, check: &Check) -> Option<Checked> {
-        let denial = *self.shard(check.key).get(&check.key)?;
+        let denial = *self.denials.shard(check.key).get(&check.key)?;
         let holds =
             denial.limit == check.limit && check.cost >= denial.cost && check.now < denial.retry_at;
         holds.then(|| {
@@ -110,7 +94,7 @@ impl<S> DenyCache<S> {
         if !from_store || checked.bounded || checked.limit != check.limit {
             return;
         }
-        let mut shard = self.shard(check.key);
+        let mut shard = self.denials.shard(check.key);
         if decision.allowed {
             shard.remove(&check.key);
             return;
@@ -118,11 +102,11 @@ impl<S> DenyCache<S> {
         if decision.retry_after.is_zero() {
             return;
         }
-        if shard.len() >= self.per_shard && !shard.contains_key(&check.key) {
-            shard.retain(|_, d| d.retry_at > check.now);
-            if shard.len() >= self.per_shard {
-                return;
-            }
+        if !self
+            .denials
+            .room(&mut shard, check.key, |d| d.retry_at > check.now)
+        {
+            return;
         }
         shard.insert(
             check.key,
@@ -138,10 +122,7 @@ impl<S> DenyCache<S> {
 
     /// Denials remembered now (expired ones included until swept).
     pub fn len(&self) -> usize {
-        self.shards
-            .iter()
-            .map(|s| s.lock().unwrap_or_else(PoisonError::into_inner).len())
-            .sum()
+        self.denials.len()
     }
 
     /// Whether no denial is remembered.

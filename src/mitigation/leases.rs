@@ -46,15 +46,13 @@
 //! Only the token bucket leases (validation refuses others), and only a
 //! request no dearer than the lease.
 
+use super::table::{KeyTable, micros};
 use crate::algorithm::{Decision, Limit};
 use crate::clock::Micros;
 use crate::key::BucketKey;
 use crate::store::{BoxFuture, Check, Checked, FailureMode, Source, Store, StoreError};
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
-
-const SHARDS: usize = 16;
 
 /// What this instance knows of one key: tokens it holds (maybe none),
 /// and the shared bucket's last answer.
@@ -85,7 +83,7 @@ struct Taking<'a, S> {
 
 impl<S> Drop for Taking<'_, S> {
     fn drop(&mut self) {
-        if let Some(held) = self.leases.shard(self.key).get_mut(&self.key) {
+        if let Some(held) = self.leases.held.shard(self.key).get_mut(&self.key) {
             held.taking = false;
         }
     }
@@ -96,12 +94,7 @@ impl<S> Drop for Taking<'_, S> {
 pub struct Leases<S> {
     inner: S,
     instances: u64,
-    shards: Box<[Mutex<HashMap<BucketKey, Held>>]>,
-    per_shard: usize,
-}
-
-fn micros(d: Duration) -> Micros {
-    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+    held: KeyTable<Held>,
 }
 
 /// How long a lease of `lease` tokens may be held when the shared bucket
@@ -124,20 +117,13 @@ impl<S> Leases<S> {
         Self {
             inner,
             instances: instances.max(1),
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
-            per_shard: max_keys.div_ceil(SHARDS).max(1),
+            held: KeyTable::new(max_keys),
         }
-    }
-
-    fn shard(&self, key: BucketKey) -> std::sync::MutexGuard<'_, HashMap<BucketKey, Held>> {
-        self.shards[(key.0 as usize) % SHARDS]
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Spends held tokens on `check`, if a lease holds enough.
     fn spend(&self, check: &Check) -> Option<Checked> {
-        let mut shard = self.shard(check.key);
+        let mut shard = self.held.shard(check.key);
         let held = shard.get_mut(&check.key)?;
         if held.limit != check.limit || check.now >= held.until || held.tokens < check.cost {
             return None;
@@ -161,7 +147,7 @@ impl<S> Leases<S> {
     /// since, nothing spent), less the lease, leaves it room to live.
     /// If so, marks the key as taking one.
     fn worth_a_lease(&self, check: &Check, lease: u64) -> bool {
-        let mut shard = self.shard(check.key);
+        let mut shard = self.held.shard(check.key);
         let Some(held) = shard
             .get_mut(&check.key)
             .filter(|h| h.limit == check.limit && !h.taking)
@@ -195,15 +181,14 @@ impl<S> Leases<S> {
             lease_life(&check.limit, decision.remaining, lease, self.instances)
         };
         let kept = if life == 0 { 0 } else { tokens };
-        let mut shard = self.shard(check.key);
-        if shard.len() >= self.per_shard && !shard.contains_key(&check.key) {
-            // What a full table forgets: keys holding nothing, seen before
-            // the last refill could have filled them.
-            let refill = micros(check.limit.refill_time());
-            shard.retain(|_, h| h.until > check.now || h.seen.1.saturating_add(refill) > check.now);
-            if shard.len() >= self.per_shard {
-                return 0;
-            }
+        let mut shard = self.held.shard(check.key);
+        // What a full table forgets: keys holding nothing, seen before the
+        // last refill could have filled them.
+        let refill = micros(check.limit.refill_time());
+        if !self.held.room(&mut shard, check.key, |h| {
+            h.until > check.now || h.seen.1.saturating_add(refill) > check.now
+        }) {
+            return 0;
         }
         let seen = (decision.remaining, check.now);
         match shard.get_mut(&check.key) {
@@ -230,10 +215,7 @@ impl<S> Leases<S> {
 
     /// Keys holding a lease now (expired ones included until swept).
     pub fn len(&self) -> usize {
-        self.shards
-            .iter()
-            .map(|s| s.lock().unwrap_or_else(PoisonError::into_inner).len())
-            .sum()
+        self.held.len()
     }
 
     /// Whether no lease is held.

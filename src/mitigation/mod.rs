@@ -17,6 +17,7 @@
 mod deny_cache;
 mod leases;
 mod shards;
+mod table;
 #[cfg(test)]
 mod tests;
 
