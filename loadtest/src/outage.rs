@@ -17,7 +17,9 @@
 //! - admitted requests during the outage and over the whole run, beside
 //!   what one exact token bucket admits for the same requests at the same
 //!   instants (`ideal`: the pure core replayed over the send times), so the
-//!   ratio is the over-admission the fault caused;
+//!   ratio is the over-admission the fault caused; and the same after the
+//!   fault ended (fail-open's bypass until the hand-back aside), where a
+//!   bucket handed back full (a fresh burst) shows;
 //! - who decided during the outage, read from the answers: `RateLimit-Limit`
 //!   equal to the burst is the shared bucket, equal to the local share is the
 //!   fallback, a 200 without rate headers is fail-open, a 503 fail-closed;
@@ -167,6 +169,12 @@ pub struct OutageResult {
     pub admitted_total: usize,
     /// What one exact bucket admits over the whole run.
     pub ideal_total: usize,
+    /// Of the requests sent after the fault ended, admitted by a limit
+    /// (Redis or the local share; fail-open's bypass until the breaker's
+    /// probe is not counted): the hand-back, where a fresh burst shows.
+    pub admitted_after: usize,
+    /// What one exact bucket admits for those same requests.
+    pub ideal_after: usize,
     /// Latency during the outage, ms: p50, p99, max.
     pub outage_latency_ms: [f64; 3],
     /// From the fault's end until every instance has answered from Redis
@@ -459,6 +467,15 @@ async fn scenario(
         ideal_outage: outage.iter().filter(|(i, _)| ideal[*i]).count(),
         admitted_total: samples.iter().filter(|s| s.admitted).count(),
         ideal_total: ideal.iter().filter(|a| **a).count(),
+        admitted_after: samples
+            .iter()
+            .filter(|s| s.sent >= to && s.admitted && s.source != Source::FailOpen)
+            .count(),
+        ideal_after: samples
+            .iter()
+            .zip(&ideal)
+            .filter(|(s, i)| s.sent >= to && **i)
+            .count(),
         outage_latency_ms: [
             percentile(&latencies, 0.5),
             percentile(&latencies, 0.99),
@@ -515,14 +532,14 @@ fn markdown(args: &OutageArgs, results: &[OutageResult]) -> String {
         args.deadline,
         args.response_timeout
     );
-    out.push_str("| fault | mode | requests | errors | 503 closed | outage: redis / local / open | admitted outage | ideal outage | ratio outage | admitted total | ideal total | ratio total | outage p50 ms | outage p99 ms | outage max ms | back on Redis after, ms | not Redis after that |\n");
+    out.push_str("| fault | mode | requests | errors | 503 closed | outage: redis / local / open | admitted outage | ideal outage | ratio outage | admitted total | ideal total | ratio total | admitted after | ideal after | outage p50 ms | outage p99 ms | outage max ms | back on Redis after, ms | not Redis after that |\n");
     out.push_str(
-        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in results {
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {} | {} / {} / {} | {} | {} | {:.2} | {} | {} | {:.2} | {:.1} | {:.1} | {:.1} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} / {} / {} | {} | {} | {:.2} | {} | {} | {:.2} | {} | {} | {:.1} | {:.1} | {:.1} | {} | {} |",
             r.fault,
             r.mode,
             r.requests,
@@ -537,6 +554,8 @@ fn markdown(args: &OutageArgs, results: &[OutageResult]) -> String {
             r.admitted_total,
             r.ideal_total,
             ratio(r.admitted_total, r.ideal_total),
+            r.admitted_after,
+            r.ideal_after,
             r.outage_latency_ms[0],
             r.outage_latency_ms[1],
             r.outage_latency_ms[2],
@@ -550,12 +569,12 @@ fn markdown(args: &OutageArgs, results: &[OutageResult]) -> String {
 
 fn csv(results: &[OutageResult]) -> String {
     let mut out = String::from(
-        "fault,mode,requests,errors,failclosed,outage_requests,outage_redis,outage_local,outage_failopen,admitted_outage,ideal_outage,admitted_total,ideal_total,outage_p50_ms,outage_p99_ms,outage_max_ms,recovery_ms,strays\n",
+        "fault,mode,requests,errors,failclosed,outage_requests,outage_redis,outage_local,outage_failopen,admitted_outage,ideal_outage,admitted_total,ideal_total,admitted_after,ideal_after,outage_p50_ms,outage_p99_ms,outage_max_ms,recovery_ms,strays\n",
     );
     for r in results {
         let _ = writeln!(
             out,
-            "{},{},{},{},{},{},{},{},{},{},{},{},{},{:.3},{:.3},{:.3},{},{}",
+            "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{:.3},{:.3},{:.3},{},{}",
             r.fault,
             r.mode,
             r.requests,
@@ -569,6 +588,8 @@ fn csv(results: &[OutageResult]) -> String {
             r.ideal_outage,
             r.admitted_total,
             r.ideal_total,
+            r.admitted_after,
+            r.ideal_after,
             r.outage_latency_ms[0],
             r.outage_latency_ms[1],
             r.outage_latency_ms[2],

@@ -108,15 +108,34 @@ fn num(row: &HashMap<String, String>, field: &str) -> f64 {
 }
 
 /// SIGKILL and restart, SIGSTOP, added latency and a black hole between
-/// three instances and Redis, under steady load on one key: the figures
-/// the README quotes, asserted.
+/// three instances and Redis, under steady load on one key.
+///
+/// The bucket is large against what the run refills (burst 400, 20/s: 120
+/// tokens in 6 s), and load drains it before the fault, so a fresh burst
+/// anywhere is plain: a full local share on losing Redis, or a full bucket
+/// from a Redis restarted empty, each adds ~400 admissions where one exact
+/// bucket admits ~40 in the outage and ~50 after it. The bounds allow a
+/// quarter of the burst above the exact bucket, for the local shares'
+/// independent refill and checks that miss the deadline on a loaded machine;
+/// half a regranted burst already breaks them.
 #[test]
 fn redis_faults_under_load_stay_within_the_limit_and_hand_back_fast() {
+    const BURST: f64 = 400.0;
     let rows = outage(
         "matrix",
         &[
             "--scenarios",
             "kill:local,kill:open,kill:closed,stop:local,latency:local,blackhole:local",
+            "--burst",
+            "400",
+            "--rate",
+            "20",
+            "--before",
+            "1.5",
+            "--outage",
+            "2",
+            "--after",
+            "2.5",
             // Debug builds on a shared 2-core CI machine: a 50 ms deadline
             // keeps ordinary checks from missing it (each miss is decided by
             // the local share, which blurs the admission figures), while
@@ -145,19 +164,29 @@ fn redis_faults_under_load_stay_within_the_limit_and_hand_back_fast() {
         );
         // No request waited out the outage.
         assert!(num(r, "outage_max_ms") < 1000.0, "{name}: {r:?}");
+        // The hand-back grants no fresh burst, whatever the mode: a Redis
+        // restarted empty holds a full bucket, and the instances' ceilings
+        // are what keep it from being spent.
+        let (a, i) = (num(r, "admitted_after"), num(r, "ideal_after"));
+        assert!(
+            a <= i + BURST / 4.0,
+            "{name}: {a} admitted after the fault, one bucket {i}: a fresh burst"
+        );
         match r["mode"].as_str() {
             "local" => {
                 assert!(num(r, "outage_local") >= 0.9 * outage, "{name}: {r:?}");
-                // Across 3 instances, within 1.1 x what one exact bucket
-                // admits for the same requests: during the outage, and over
-                // the whole run (no fresh burst on losing or regaining Redis).
+                // Losing Redis grants no fresh burst either: the local
+                // shares start from the level Redis last reported.
                 let (a, i) = (num(r, "admitted_outage"), num(r, "ideal_outage"));
                 assert!(
-                    a <= 1.1 * i && a >= 0.5 * i,
-                    "{name}: {a} admitted, ideal {i}"
+                    a <= i + BURST / 4.0 && a >= 0.5 * i,
+                    "{name}: {a} admitted in the outage, one bucket {i}"
                 );
                 let (a, i) = (num(r, "admitted_total"), num(r, "ideal_total"));
-                assert!(a <= 1.1 * i, "{name}: {a} admitted in all, ideal {i}");
+                assert!(
+                    a <= i + BURST / 4.0,
+                    "{name}: {a} admitted in all, one bucket {i}"
+                );
                 assert_eq!(num(r, "failclosed"), 0.0);
             }
             "open" => {

@@ -65,6 +65,11 @@ pub struct LocalShare {
     /// Until when some local bucket may be below full: ceilings are looked
     /// up only before this instant, so the normal path costs one atomic load.
     until: AtomicU64,
+    /// Until when some bucket mirrored from Redis may be below full. Not a
+    /// ceiling's trigger by itself (a client Redis alone decides needs
+    /// none); a fallback in any mode moves `until` here, since Redis may
+    /// then come back empty for every client that had spent from it.
+    mirrored_until: AtomicU64,
 }
 
 impl LocalShare {
@@ -74,6 +79,7 @@ impl LocalShare {
             instances,
             store: MemoryStore::new(max_keys, shards),
             until: AtomicU64::new(0),
+            mirrored_until: AtomicU64::new(0),
         }
     }
 
@@ -106,6 +112,11 @@ impl LocalShare {
             }
             .pack(&share)
         });
+        if let Some(p) = &next
+            && p.full_at > self.mirrored_until.load(Ordering::Relaxed)
+        {
+            self.mirrored_until.fetch_max(p.full_at, Ordering::Relaxed);
+        }
         self.store
             .table()
             .update(check.key, check.now, |state| *state = next);
@@ -128,6 +139,17 @@ impl LocalShare {
             / share.rate_units_per_us();
         let deficit = u128::from(to_full.saturating_sub(1)) * u128::from(limit.rate_units_per_us());
         Some(u128::from(limit.capacity_units()).saturating_sub(deficit) as u64)
+    }
+
+    /// Redis failed a check, whatever the mode: until every bucket mirrored
+    /// so far is full again, Redis's answers carry ceilings. Redis may come
+    /// back restarted empty, and a client that had spent its burst there
+    /// would otherwise get a fresh one, whether or not this instance
+    /// decided anything for it meanwhile (fail-open and fail-closed decide
+    /// nothing; a quiet client sends nothing).
+    pub fn fell_back(&self) {
+        let mirrored = self.mirrored_until.load(Ordering::Relaxed);
+        self.until.fetch_max(mirrored, Ordering::Relaxed);
     }
 
     /// Decides `check` by this instance's share alone.

@@ -35,8 +35,11 @@
 //! When Redis returns, its bucket for a client is either refilled (it kept
 //! its data while unreachable) or absent (restarted empty), which reads as
 //! full: the client, having spent its local share, would get a second whole
-//! burst. So while a client's local bucket is not yet full again, each Redis
-//! check carries a ceiling ([`Check::ceiling`]): the shared
+//! burst. That holds whatever the failure mode (fail-open and fail-closed
+//! leave the mirrored bucket as it was, refilling as one bucket would) and
+//! for a client that sent nothing meanwhile. So after any fallback, while a
+//! client's local bucket is not yet full again, each Redis check carries a
+//! ceiling ([`Check::ceiling`]): the shared
 //! level that would be full again when the local bucket is. For a client
 //! that only ever mirrored Redis that is Redis's own level (so it never
 //! binds); for one that spent its local share it is what the fallback left.
@@ -323,6 +326,7 @@ impl<S: Store> Store for Failover<S> {
                 );
             }
             self.breaker.decided(true);
+            self.local.fell_back();
             self.fall_back(&check)
         })
     }

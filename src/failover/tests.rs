@@ -380,6 +380,40 @@ async fn redis_returning_grants_no_fresh_burst() {
     }
 }
 
+/// Whatever the failure mode, a Redis restarted empty hands back no fresh
+/// burst: not after fail-open or fail-closed (the local share never
+/// decided anything), nor to a client that sent nothing while Redis was
+/// away. Its local bucket, mirrored before the outage, refilled through it
+/// as one bucket would have, and that is its ceiling.
+#[tokio::test(start_paused = true)]
+async fn a_restart_after_any_fallback_grants_no_fresh_burst() {
+    let limit = Limit::per_second(30, 3).unwrap();
+    for mode in [FailureMode::Open, FailureMode::Closed, FailureMode::Local] {
+        for ceiling in [true, false] {
+            let store = Switch::new();
+            let f = failover(&store, 3);
+            let f = if ceiling {
+                f
+            } else {
+                f.without_hand_back_ceiling()
+            };
+            assert_eq!(burst(&f, limit, 40, T0, mode).await, 30, "Redis: the burst");
+            store.set(Health::Refusing);
+            // Another client meets the outage; the spent one sends nothing.
+            let c = check(&f, 9, limit, 1, T0 + SEC, mode).await;
+            assert_ne!(c.map(|c| c.source).ok(), Some(Source::Redis));
+            store.set(Health::Up);
+            store.restart();
+            tokio::time::advance(Duration::from_secs(1)).await;
+            // Two seconds after spending its burst, one bucket holds 6.
+            let admitted = burst(&f, limit, 40, T0 + 2 * SEC, mode).await;
+            assert_eq!(f.breaker().state(), BreakerState::Closed);
+            let expected = if ceiling { 6 } else { 30 };
+            assert_eq!(admitted, expected, "{mode:?}, ceiling {ceiling}");
+        }
+    }
+}
+
 /// Window algorithms mirror the room their window has left, not their
 /// "reset" (which for them is when the count clears): losing Redis neither
 /// hands out a fresh local share nor shuts the client out.
