@@ -1,14 +1,29 @@
-//! What one atomic check costs Redis, and how close our client gets to
-//! redis-benchmark running the very same EVALSHA on the same server.
+//! What one atomic check costs Redis, on the paths a service takes, beside
+//! the same token bucket written the straightforward way; and how close our
+//! client gets to redis-benchmark running the very same EVALSHA.
 //!
-//! Both sides run the token-bucket script on 10 000 keys with a bucket so
-//! large that every check is admitted: the write path (GET, arithmetic,
-//! SET ... PX), the expensive one. Redis CPU per check comes from
-//! `INFO commandstats` (`usec_per_call` of EVALSHA: the script's own time)
-//! and from `INFO cpu` (the whole server, networking included, per check).
-//! Throughput is checks per second at the same concurrency: our client keeps
-//! `depth` checks in flight on one multiplexed connection (redis-rs pipelines
-//! them); redis-benchmark uses one connection with `-P depth`.
+//! Two parts, one command:
+//! - **Mixes** (our client only: each check passes the wall clock as `now`,
+//!   which redis-benchmark cannot vary): `refill`, 10 000 keys at 300/s,
+//!   every check admitted after refilling (the correction loops run: 300
+//!   does not divide the period); `denied`, 16 drained keys (the read-only
+//!   path); `new keys`, a key never seen on every check, which expires about
+//!   a second later (keys appearing and expiring); and `mix`, 70/20/10 of
+//!   those. `token_bucket.lua` through [`LuaStore`] and the straightforward
+//!   script ([`STRAIGHTFORWARD_LUA`]) through the same client run the same
+//!   checks on an emptied server in turn.
+//! - **Fixed now** (as redis-benchmark needs): 10 000 keys, one `now`, a
+//!   bucket so large every check is admitted. No refill, and after a key's
+//!   first write `token_bucket.lua` keeps its TTL (the flattering case for
+//!   it); the straightforward script sets it every time. redis-benchmark
+//!   runs it (and the empty script, the floor of any EVALSHA) and so does
+//!   our client, for the throughput comparison.
+//!
+//! Redis CPU per check comes from `INFO commandstats` (`usec_per_call` of
+//! EVALSHA: the script's own time) and from `INFO cpu` (the whole server,
+//! networking and active expiry included, per check). Our client keeps
+//! `depth` checks in flight on one multiplexed connection (redis-rs
+//! pipelines them); redis-benchmark uses one connection with `-P depth`.
 
 use anyhow::{Context, bail};
 use ratelimiter::algorithm::{Algorithm, Limit};
@@ -17,7 +32,7 @@ use ratelimiter::store::{BucketKey, Check, LuaStore};
 use std::fmt::Write as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use testkit::RedisServer;
 
 /// Options of `lua-bench`.
@@ -90,6 +105,8 @@ pub struct Side {
     pub name: &'static str,
     /// Checks per second.
     pub per_second: f64,
+    /// Checks denied (`None`: the client does not say, as redis-benchmark).
+    pub denied: Option<u64>,
     /// EVALSHA's own time per call, microseconds (commandstats).
     pub script_us: f64,
     /// Whole-server CPU per check, microseconds (INFO cpu delta / calls).
@@ -126,6 +143,7 @@ async fn finish(
     admin: &mut RedisConnection,
     name: &'static str,
     per_second: f64,
+    denied: Option<u64>,
     cpu_before: f64,
 ) -> anyhow::Result<Side> {
     let after = stats(admin).await?;
@@ -133,6 +151,7 @@ async fn finish(
     Ok(Side {
         name,
         per_second,
+        denied,
         script_us: after.usec / after.calls as f64,
         server_cpu_us: (cpu_after - cpu_before) * 1e6 / after.calls as f64,
     })
@@ -187,15 +206,33 @@ async fn ours(url: &str, args: &LuaBenchArgs) -> anyhow::Result<Side> {
     }
     let per_second = args.checks as f64 / started.elapsed().as_secs_f64();
     let name = "our client (LuaStore, redis-rs multiplexed), token_bucket.lua";
-    finish(&mut admin, name, per_second, cpu_before).await
+    finish(&mut admin, name, per_second, Some(0), cpu_before).await
 }
 
-/// The "straightforward" script the issue measured as a baseline: a hash
-/// with HMGET, HSET and PEXPIRE (no arithmetic, so a lower bound for it).
-const HASH_BASELINE_LUA: &str = "local v = redis.call('HMGET', KEYS[1], 't', 'l') \
-    local t = tonumber(v[1]) or tonumber(ARGV[5]) \
-    redis.call('HSET', KEYS[1], 't', t - 1, 'l', ARGV[1]) \
-    redis.call('PEXPIRE', KEYS[1], 2000) return 1";
+/// The same token bucket as `token_bucket.lua` (the same arguments and
+/// replies, nothing written on a denial, a key that outlives its refill by
+/// the margin), written the straightforward way: a hash read with HMGET and
+/// written with HSET and PEXPIRE on every admitted check; doubles with
+/// floor and ceil, no exactness corrections, no clock-skew care.
+pub(crate) const STRAIGHTFORWARD_LUA: &str = "\
+local now = tonumber(ARGV[1]) local cost = tonumber(ARGV[2]) \
+local unit = tonumber(ARGV[3]) local rate = tonumber(ARGV[4]) \
+local cap = tonumber(ARGV[5]) local margin = tonumber(ARGV[6]) \
+local v = redis.call('HMGET', KEYS[1], 'tokens', 'last') \
+local tokens = tonumber(v[1]) or cap \
+local last = tonumber(v[2]) or now \
+if now > last then \
+  tokens = math.min(cap, tokens + (now - last) * rate) last = now \
+end \
+local need = cost * unit local allowed = 0 \
+if tokens >= need then tokens = tokens - need allowed = 1 end \
+local reset = math.ceil((cap - tokens) / rate) local retry = 0 \
+if allowed == 0 then retry = math.ceil((need - tokens) / rate) end \
+if allowed == 1 then \
+  redis.call('HSET', KEYS[1], 'tokens', tokens, 'last', last) \
+  redis.call('PEXPIRE', KEYS[1], math.ceil((reset + margin) / 1000)) \
+end \
+return string.format('%d %d %d %d', allowed, math.floor(tokens / unit), retry, reset)";
 
 /// The floor: what EVALSHA costs before a script does anything.
 const EMPTY_LUA: &str = "return 1";
@@ -254,10 +291,166 @@ async fn redis_benchmark(
         .filter(|l| l.starts_with("\"EVALSHA"))
         .find_map(|l| l.split(',').nth(1)?.trim_matches('"').parse().ok())
         .with_context(|| format!("no rate in redis-benchmark output: {text}"))?;
-    finish(&mut admin, name, rps, cpu_before).await
+    finish(&mut admin, name, rps, None, cpu_before).await
 }
 
-/// Runs both sides and prints a table.
+/// The checks of a mix, each on one of three paths.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Path {
+    /// 10 000 keys at 300/s, revisited far slower than they refill:
+    /// admitted after refilling, with the division corrections.
+    Refill,
+    /// 16 keys of 10 an hour, drained: denied, the read-only path (exactly
+    /// all but the first 10 of each within a run).
+    Denied,
+    /// A key never seen, 10 at 10/s: written with a TTL, expired by Redis
+    /// about a second later.
+    NewKey,
+}
+
+/// The mixes, by name: which path check `n` takes.
+const MIXES: [(&str, fn(u64) -> Path); 4] = [
+    ("refill", |_| Path::Refill),
+    ("denied", |_| Path::Denied),
+    ("new keys", |_| Path::NewKey),
+    ("mix 70/20/10", |n| match n % 10 {
+        0..=6 => Path::Refill,
+        7 | 8 => Path::Denied,
+        _ => Path::NewKey,
+    }),
+];
+
+/// Check `n`'s key and limit on `path`.
+fn request(path: Path, n: u64, keys: u64) -> (BucketKey, Limit) {
+    let limit = |burst, rate| Limit::per_second(burst, rate).expect("valid");
+    match path {
+        Path::Refill => (BucketKey(u128::from(n % keys)), limit(1000, 300)),
+        Path::Denied => (
+            BucketKey(1 << 64 | u128::from(n % 16)),
+            Limit::new(10, 10, Duration::from_secs(3600)).expect("valid"),
+        ),
+        Path::NewKey => (BucketKey(2 << 64 | u128::from(n)), limit(10, 10)),
+    }
+}
+
+fn wall_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+/// One check: whether it was admitted.
+type CheckFn = Arc<
+    dyn Fn(u64) -> std::pin::Pin<Box<dyn Future<Output = anyhow::Result<bool>> + Send>>
+        + Send
+        + Sync,
+>;
+
+/// Runs `checks` checks, `depth` at a time, on an emptied server; returns
+/// its figures.
+async fn drive(
+    admin: &mut RedisConnection,
+    args: &LuaBenchArgs,
+    name: &'static str,
+    check: CheckFn,
+) -> anyhow::Result<Side> {
+    let cpu_before = begin(admin).await?;
+    let (next, denied) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..args.depth {
+        let (check, next, denied, checks) = (
+            Arc::clone(&check),
+            Arc::clone(&next),
+            Arc::clone(&denied),
+            args.checks,
+        );
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let n = next.fetch_add(1, Ordering::Relaxed);
+                if n >= checks {
+                    return anyhow::Ok(());
+                }
+                if !check(n).await? {
+                    denied.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    let per_second = args.checks as f64 / started.elapsed().as_secs_f64();
+    let denied = denied.load(Ordering::Relaxed);
+    finish(admin, name, per_second, Some(denied), cpu_before).await
+}
+
+/// One mix, through `token_bucket.lua` and then the straightforward script.
+async fn mix(
+    url: &str,
+    args: &LuaBenchArgs,
+    pick: fn(u64) -> Path,
+) -> anyhow::Result<(Side, Side)> {
+    let settings = bench_settings(url, "mix:");
+    let mut admin = RedisConnection::connect(&settings).await?;
+    let connection = RedisConnection::connect(&settings).await?;
+    let store = Arc::new(LuaStore::new(connection.clone(), &settings));
+    let margin = settings.ttl_margin.as_micros() as u64;
+    let keys = args.keys;
+
+    let () = redis::cmd("FLUSHALL").query_async(&mut admin).await?;
+    // Load the script before the stats are reset.
+    store
+        .decide(&Check::new(
+            BucketKey(u128::MAX),
+            request(Path::Refill, 0, 1).1,
+            1,
+            wall_us(),
+        ))
+        .await?;
+    let ours: CheckFn = {
+        let store = Arc::clone(&store);
+        Arc::new(move |n| {
+            let store = Arc::clone(&store);
+            Box::pin(async move {
+                let (key, limit) = request(pick(n), n, keys);
+                let d = store.decide(&Check::new(key, limit, 1, wall_us())).await?;
+                Ok(d.allowed)
+            })
+        })
+    };
+    let ours = drive(&mut admin, args, "token_bucket.lua (LuaStore)", ours).await?;
+
+    let () = redis::cmd("FLUSHALL").query_async(&mut admin).await?;
+    let script = Arc::new(redis::Script::new(STRAIGHTFORWARD_LUA));
+    let () = script
+        .prepare_invoke()
+        .load_async(&mut admin)
+        .await
+        .map(|_: String| ())?;
+    let plain: CheckFn = Arc::new(move |n| {
+        let (store, script, mut connection) =
+            (Arc::clone(&store), Arc::clone(&script), connection.clone());
+        Box::pin(async move {
+            let (key, limit) = request(pick(n), n, keys);
+            let reply: String = script
+                .key(store.key_name(Algorithm::TokenBucket, key))
+                .arg(wall_us())
+                .arg(1)
+                .arg(limit.units_per_token())
+                .arg(limit.rate_units_per_us())
+                .arg(limit.capacity_units())
+                .arg(margin)
+                .invoke_async(&mut connection)
+                .await?;
+            Ok(reply.starts_with('1'))
+        })
+    });
+    let plain = drive(&mut admin, args, "straightforward script", plain).await?;
+    Ok((ours, plain))
+}
+
+/// Runs both parts and prints their tables.
 pub async fn run(args: LuaBenchArgs) -> anyhow::Result<()> {
     let own;
     let url = match &args.redis_url {
@@ -270,6 +463,37 @@ pub async fn run(args: LuaBenchArgs) -> anyhow::Result<()> {
             own.url()
         }
     };
+    let mut out = format!(
+        "Mixes: {} checks each, {} in flight, `now` from the wall clock; each script on an emptied server:\n\n\
+         | mix | script | checks/s | denied | EVALSHA usec/call (commandstats) | server CPU us/check (INFO cpu) |\n|---|---|---|---|---|---|\n",
+        args.checks, args.depth
+    );
+    let mut ratios = String::new();
+    for (name, pick) in MIXES {
+        eprintln!("lua-bench: {name} ...");
+        let (ours, plain) = mix(&url, &args, pick).await?;
+        for side in [&ours, &plain] {
+            let _ = writeln!(
+                out,
+                "| {name} | {} | {:.0} | {} | {:.2} | {:.2} |",
+                side.name,
+                side.per_second,
+                side.denied.unwrap_or(0),
+                side.script_us,
+                side.server_cpu_us
+            );
+        }
+        let _ = writeln!(
+            ratios,
+            "{name}: token_bucket.lua / straightforward, EVALSHA usec {:.2}, server CPU {:.2}",
+            ours.script_us / plain.script_us,
+            ours.server_cpu_us / plain.server_cpu_us
+        );
+    }
+    out.push('\n');
+    out.push_str(&ratios);
+
+    eprintln!("lua-bench: fixed now ...");
     let floor = redis_benchmark(
         &url,
         &args,
@@ -277,11 +501,11 @@ pub async fn run(args: LuaBenchArgs) -> anyhow::Result<()> {
         EMPTY_LUA,
     )
     .await?;
-    let hash = redis_benchmark(
+    let plain = redis_benchmark(
         &url,
         &args,
-        "redis-benchmark, HMGET/HSET/PEXPIRE script (no arithmetic)",
-        HASH_BASELINE_LUA,
+        "redis-benchmark, straightforward script",
+        STRAIGHTFORWARD_LUA,
     )
     .await?;
     let benchmark = redis_benchmark(
@@ -292,12 +516,13 @@ pub async fn run(args: LuaBenchArgs) -> anyhow::Result<()> {
     )
     .await?;
     let ours = ours(&url, &args).await?;
-    let mut out = format!(
-        "Lua token bucket, {} checks on {} keys, {} in flight, every check admitted (write path):\n\n\
+    let _ = write!(
+        out,
+        "\nFixed now: {} checks on {} keys, {} in flight, one `now`, every check admitted (no refill; token_bucket.lua keeps the TTL after a key's first write):\n\n\
          | client | checks/s | EVALSHA usec/call (commandstats) | server CPU us/check (INFO cpu) |\n|---|---|---|---|\n",
         args.checks, args.keys, args.depth
     );
-    for side in [&floor, &hash, &benchmark, &ours] {
+    for side in [&floor, &plain, &benchmark, &ours] {
         let _ = writeln!(
             out,
             "| {} | {:.0} | {:.2} | {:.2} |",

@@ -420,3 +420,50 @@ fn capacity_measures_every_variant_and_writes_its_results() {
     }
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// `lua-bench`, tiny: every mix runs through both scripts, which decide
+/// alike (the baseline is the same bucket, so the comparison is like for
+/// like), and each path does what it is named for.
+#[test]
+fn lua_bench_runs_both_scripts_on_every_path_and_they_agree() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let out = Command::new(BIN)
+        .args([
+            "lua-bench",
+            "--checks",
+            "2000",
+            "--keys",
+            "100",
+            "--depth",
+            "4",
+        ])
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{table}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // | mix | script | checks/s | denied | usec/call | server CPU |
+    let denied = |mix: &str, script: &str| -> u64 {
+        let line = table
+            .lines()
+            .find(|l| l.starts_with(&format!("| {mix} | {script}")))
+            .unwrap_or_else(|| panic!("no {mix} / {script} row in:\n{table}"));
+        let fields: Vec<&str> = line.split('|').map(str::trim).collect();
+        let usec: f64 = fields[5].parse().unwrap();
+        assert!(usec > 0.0, "{line}");
+        fields[4].parse().unwrap()
+    };
+    for script in ["token_bucket.lua", "straightforward"] {
+        assert_eq!(denied("refill", script), 0, "refill is admitted");
+        assert_eq!(denied("new keys", script), 0, "a new key is full");
+        // 16 keys of 10 an hour: all but their first 10 are denied.
+        assert_eq!(denied("denied", script), 2000 - 160, "{script}");
+        // Of 2000, 400 go to the drained keys.
+        assert_eq!(denied("mix 70/20/10", script), 400 - 160, "{script}");
+    }
+    assert!(table.contains("| redis-benchmark, straightforward script |"));
+    assert!(table.contains("| redis-benchmark, token_bucket.lua |"));
+}
