@@ -340,11 +340,8 @@ fn wall_us() -> u64 {
 }
 
 /// One check: whether it was admitted.
-type CheckFn = Arc<
-    dyn Fn(u64) -> std::pin::Pin<Box<dyn Future<Output = anyhow::Result<bool>> + Send>>
-        + Send
-        + Sync,
->;
+type CheckFn = Arc<dyn Fn(u64) -> Checking + Send + Sync>;
+type Checking = std::pin::Pin<Box<dyn Future<Output = anyhow::Result<bool>> + Send>>;
 
 /// Runs `checks` checks, `depth` at a time, on an emptied server; returns
 /// its figures.
