@@ -308,8 +308,11 @@ enum Path {
     NewKey,
 }
 
-/// The mixes, by name: which path check `n` takes.
-const MIXES: [(&str, fn(u64) -> Path); 4] = [
+/// Which path check `n` takes.
+type Pick = fn(u64) -> Path;
+
+/// The mixes, by name.
+const MIXES: [(&str, Pick); 4] = [
     ("refill", |_| Path::Refill),
     ("denied", |_| Path::Denied),
     ("new keys", |_| Path::NewKey),
@@ -383,11 +386,7 @@ async fn drive(
 }
 
 /// One mix, through `token_bucket.lua` and then the straightforward script.
-async fn mix(
-    url: &str,
-    args: &LuaBenchArgs,
-    pick: fn(u64) -> Path,
-) -> anyhow::Result<(Side, Side)> {
+async fn mix(url: &str, args: &LuaBenchArgs, pick: Pick) -> anyhow::Result<(Side, Side)> {
     let settings = bench_settings(url, "mix:");
     let mut admin = RedisConnection::connect(&settings).await?;
     let connection = RedisConnection::connect(&settings).await?;
