@@ -82,6 +82,65 @@ fn serves_from_env_and_flags_and_stops_cleanly_on_sigterm() {
     assert!(stderr.contains("shutdown signal received"), "{stderr}");
 }
 
+/// ctrl-c is SIGINT: the same graceful stop as SIGTERM.
+#[test]
+fn stops_cleanly_on_sigint_as_on_ctrl_c() {
+    let port = free_port().unwrap();
+    let child = Command::new(BIN)
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut proc = ChildGuard(child);
+    wait_for_port(port, "ratelimiter").unwrap();
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(proc.0.id()).unwrap());
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let exit = loop {
+        if let Some(exit) = proc.0.try_wait().unwrap() {
+            break exit;
+        }
+        assert!(Instant::now() < deadline, "no exit 10 s after SIGINT");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(exit.success(), "exit after SIGINT: {exit:?}");
+    let mut stderr = String::new();
+    proc.0
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    assert!(stderr.contains("shutdown signal received"), "{stderr}");
+}
+
+/// Redis URLs may carry a password and the key secret is one: `--help`
+/// names their variables but never shows the values set in them.
+#[test]
+fn help_never_shows_the_secret_variables_values() {
+    let out = Command::new(BIN)
+        .arg("--help")
+        .env("RL_REDIS_URL", "redis://u:hunter2-url@127.0.0.1:1")
+        .env("RL_REDIS_CLUSTER", "redis://u:hunter2-cluster@127.0.0.1:2")
+        .env("RL_KEY_SECRET", "hunter2-key-0123456789abcdef0123456789")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let help = String::from_utf8_lossy(&out.stdout);
+    for name in ["RL_REDIS_URL", "RL_REDIS_CLUSTER", "RL_KEY_SECRET"] {
+        assert!(help.contains(name), "{name} not named in:\n{help}");
+    }
+    assert!(!help.contains("hunter2"), "{help}");
+    // A variable without a secret shows its value: the check above sees.
+    let out = Command::new(BIN)
+        .arg("--help")
+        .env("RL_INSTANCE_ID", "instance-VISIBLE")
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("instance-VISIBLE"));
+}
+
 #[test]
 fn invalid_config_fails_at_startup_naming_the_field() {
     let dir = TempDir::new("bad").unwrap();
@@ -142,7 +201,7 @@ fn start_up_errors_are_one_line_without_a_backtrace() {
             .env("RUST_LOG", "off")
             .output()
             .unwrap();
-        assert!(!out.status.success(), "{args:?}");
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
         let stderr = String::from_utf8_lossy(&out.stderr);
         let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
         assert_eq!(lines.len(), 1, "{args:?}:\n{stderr}");
