@@ -436,6 +436,86 @@ mod leases {
         assert_eq!(*store.asked.lock().unwrap(), [(1, FailureMode::Local)]);
         assert_eq!(leases.len(), 1, "only the leasing key is remembered");
     }
+
+    /// Holds a lease take (a check of more than one token) until a permit
+    /// is added; single-token checks pass through.
+    #[derive(Debug)]
+    struct Gated {
+        inner: MemoryStore,
+        gate: tokio::sync::Semaphore,
+        asked: Mutex<Vec<u64>>,
+    }
+
+    impl Store for Gated {
+        fn check(&self, check: Check) -> crate::store::BoxFuture<'_, Result<Checked, StoreError>> {
+            self.asked.lock().unwrap().push(check.cost);
+            Box::pin(async move {
+                if check.cost > 1 {
+                    let _pass = self.gate.acquire().await.expect("gate open");
+                }
+                self.inner.check(check).await
+            })
+        }
+        fn backend(&self) -> &'static str {
+            "gated"
+        }
+    }
+
+    /// One lease is taken at a time per key and instance: while a take is
+    /// on its way, the key's other requests go to the store alone (a token
+    /// each) rather than each taking a lease of their own.
+    #[test]
+    fn one_lease_take_at_a_time_per_key() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        let store = Arc::new(Gated {
+            inner: MemoryStore::new(64, 1),
+            gate: tokio::sync::Semaphore::new(0),
+            asked: Mutex::new(Vec::new()),
+        });
+        let leases = Arc::new(Leases::new(Arc::clone(&store), 1, 16));
+        let limit = Limit::per_second(100, 100).unwrap();
+        let at = move |now| {
+            Check::new(BucketKey(5), limit, 1, now)
+                .on_failure(FailureMode::Local)
+                .with_lease(10)
+        };
+        rt.block_on(async {
+            // 60 spent elsewhere: a lease of 10 can be held from here.
+            store
+                .inner
+                .check(Check::new(BucketKey(5), limit, 60, T0))
+                .await
+                .unwrap();
+            // The first request goes alone: nothing seen of the key yet.
+            leases.check(at(T0)).await.unwrap();
+            let spawn = |now| {
+                let leases = Arc::clone(&leases);
+                tokio::spawn(async move { leases.check(at(now)).await })
+            };
+            // The next takes a lease, and waits at the gate.
+            let take = spawn(T0 + 1);
+            tokio::task::yield_now().await;
+            assert_eq!(*store.asked.lock().unwrap(), [1, 10]);
+            // Meanwhile four more: each alone, none takes another lease.
+            for i in 2..6 {
+                let alone = tokio::time::timeout(Duration::from_secs(5), spawn(T0 + i));
+                let c = alone.await.expect("waited for another take").unwrap();
+                assert_eq!(c.unwrap().source, Source::Memory);
+            }
+            assert_eq!(*store.asked.lock().unwrap(), [1, 10, 1, 1, 1, 1]);
+            assert!(!take.is_finished());
+            // The take lands; its tokens serve the next requests.
+            store.gate.add_permits(1);
+            let c = take.await.unwrap().unwrap();
+            assert_eq!(c.source, Source::Memory);
+            let c = leases.check(at(T0 + 7)).await.unwrap();
+            assert_eq!(c.source, Source::Lease);
+            assert_eq!(store.asked.lock().unwrap().len(), 6);
+        });
+    }
 }
 
 mod shards {
