@@ -229,12 +229,16 @@ fn traced_with(redis: &RedisServer, env: &[(&str, &str)], flags: &[&str]) -> (Ch
     (child, port)
 }
 
-/// GETs `/api/items` with the test's API key (and `traceparent` if given);
-/// the status.
+/// The client address the test's (trusted) proxy forwards.
+const CLIENT_ADDRESS: &str = "203.0.113.77";
+
+/// GETs `/api/items` with the test's API key, forwarded for
+/// [`CLIENT_ADDRESS`] (and `traceparent` if given); the status.
 async fn get(port: u16, traceparent: Option<&str>) -> u16 {
     let mut request = reqwest::Client::new()
         .get(format!("http://127.0.0.1:{port}/api/items"))
-        .header("x-api-key", "trace-key");
+        .header("x-api-key", "trace-key")
+        .header("x-forwarded-for", CLIENT_ADDRESS);
     if let Some(tp) = traceparent {
         request = request.header("traceparent", tp);
     }
@@ -375,6 +379,14 @@ async fn one_request_is_one_trace(protocol: &str) {
     for span in &spans {
         for value in span.attributes.values() {
             assert!(!value.contains("trace-key"), "the API key on {}", span.name);
+            assert!(
+                !value.contains(CLIENT_ADDRESS),
+                "the client address on {}",
+                span.name
+            );
+        }
+        for event in &span.events {
+            assert!(!event.contains("trace-key") && !event.contains(CLIENT_ADDRESS));
         }
     }
 }
