@@ -11,7 +11,7 @@
 //! (`unmatched` when no route matched), the status code.
 
 use super::TARGET;
-use crate::metrics as m;
+use crate::metrics::{self as m, Handles};
 use axum::body::Body;
 use axum::extract::{MatchedPath, Request};
 use axum::response::Response;
@@ -19,6 +19,7 @@ use http::{HeaderMap, Method};
 use opentelemetry::propagation::Extractor;
 use opentelemetry::trace::TraceContextExt;
 use std::borrow::Cow;
+use std::sync::{Arc, LazyLock};
 use std::task::{Context, Poll};
 use std::time::Instant;
 use tower::{Layer, Service};
@@ -119,6 +120,28 @@ fn status_label(status: u16) -> Cow<'static, str> {
     }
 }
 
+/// Routes' duration histograms: by template, then by method and status.
+type ByRoute = Handles<Box<str>, Arc<Handles<(&'static str, u16), metrics::Histogram>>>;
+
+/// The `http_server_request_duration_seconds` series of one response,
+/// registered on its first use (see [`Handles`]).
+fn request_duration(method: &'static str, route: &str, status: u16) -> metrics::Histogram {
+    static BY_ROUTE: LazyLock<ByRoute> = LazyLock::new(ByRoute::default);
+    let by_code = BY_ROUTE.get(route, || route.into(), Arc::default);
+    by_code.get(
+        &(method, status),
+        || (method, status),
+        || {
+            metrics::histogram!(
+                m::HTTP_SERVER_REQUEST_DURATION_SECONDS,
+                "http_request_method" => method,
+                "http_route" => route.to_owned(),
+                "http_response_status_code" => status_label(status),
+            )
+        },
+    )
+}
+
 /// Reads W3C trace context from request headers.
 struct HeaderExtractor<'a>(&'a HeaderMap);
 
@@ -193,13 +216,7 @@ where
                 .get::<MatchedPath>()
                 .map_or("unmatched", MatchedPath::as_str);
             let status = response.status().as_u16();
-            metrics::histogram!(
-                m::HTTP_SERVER_REQUEST_DURATION_SECONDS,
-                "http_request_method" => method,
-                "http_route" => route.to_owned(),
-                "http_response_status_code" => status_label(status),
-            )
-            .record(started.elapsed().as_secs_f64());
+            request_duration(method, route, status).record(started.elapsed().as_secs_f64());
             if !span.is_disabled() {
                 span.record("http.route", route);
                 span.record("http.response.status_code", status);
