@@ -31,6 +31,7 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use tower::ServiceBuilder;
 
 /// `X-Instance-Id`: which instance answered (handy behind a balancer).
 pub const INSTANCE_ID_HEADER: &str = "x-instance-id";
@@ -488,25 +489,37 @@ pub fn app(state: AppState) -> Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .fallback(no_route)
-        // Outside the limiter, inside the route's telemetry: a body that
-        // cannot be taken costs no check, and its 413 is labelled by route.
-        .route_layer(StepLayer(Step::RefuseTooLarge(state.http.body_limit)))
-        // The whole request once its headers are in, its body included: a
-        // stalled body is answered 408 (the connection then closes). Only
-        // routes read bodies; the fallback answers at once.
-        .route_layer(tower_http::timeout::TimeoutLayer::with_status_code(
-            StatusCode::REQUEST_TIMEOUT,
-            state.http.request_timeout,
-        ))
-        // Outside the limiter: every matched route's template reaches the
-        // telemetry layer, 429s, 408s and 413s included.
-        .route_layer(telemetry::http::MarkRouteLayer)
-        // Streamed bodies are cut at the limit as they are read.
-        .layer(DefaultBodyLimit::max(state.http.body_limit))
-        // Bare errors given problem+json bodies, then every response
-        // named by this instance.
-        .layer(StepLayer(Step::Finish(instance_id)))
-        // Outermost: times and counts every response, 404s included.
-        .layer(telemetry::http::HttpLayer)
+        // Each `route_layer` and `layer` call wraps every route in another
+        // boxed `Route`, and axum clones a route's whole nest of them on
+        // every request (the profile's nested `clone_box`): the layers are
+        // stacked first, outermost first, and applied once each way.
+        .route_layer(
+            ServiceBuilder::new()
+                // Outside the limiter: every matched route's template
+                // reaches the telemetry layer, 429s, 408s and 413s included.
+                .layer(telemetry::http::MarkRouteLayer)
+                // The whole request once its headers are in, its body
+                // included: a stalled body is answered 408 (the connection
+                // then closes). Only routes read bodies; the fallback
+                // answers at once.
+                .layer(tower_http::timeout::TimeoutLayer::with_status_code(
+                    StatusCode::REQUEST_TIMEOUT,
+                    state.http.request_timeout,
+                ))
+                // Outside the limiter, inside the route's telemetry: a body
+                // that cannot be taken costs no check, and its 413 is
+                // labelled by route.
+                .layer(StepLayer(Step::RefuseTooLarge(state.http.body_limit))),
+        )
+        .layer(
+            ServiceBuilder::new()
+                // Outermost: times and counts every response, 404s included.
+                .layer(telemetry::http::HttpLayer)
+                // Bare errors given problem+json bodies, then every response
+                // named by this instance.
+                .layer(StepLayer(Step::Finish(instance_id)))
+                // Streamed bodies are cut at the limit as they are read.
+                .layer(DefaultBodyLimit::max(state.http.body_limit)),
+        )
         .with_state(state)
 }
