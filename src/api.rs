@@ -89,8 +89,9 @@ impl AppState {
     }
 }
 
+/// One catalogue entry.
 #[derive(Debug, Clone, Serialize)]
-struct Item {
+pub struct Item {
     id: u32,
     name: &'static str,
     price_cents: u32,
@@ -114,7 +115,9 @@ const ITEMS: [Item; 3] = [
     },
 ];
 
-async fn list_items() -> Json<&'static [Item]> {
+/// `GET /api/items`: the catalogue. Public so that `loadtest http-cost`'s
+/// peers (`examples/peer_*.rs`) serve the very same body.
+pub async fn list_items() -> Json<&'static [Item]> {
     Json(&ITEMS)
 }
 
