@@ -31,6 +31,7 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use tower::ServiceBuilder;
 
 /// `X-Instance-Id`: which instance answered (handy behind a balancer).
 pub const INSTANCE_ID_HEADER: &str = "x-instance-id";
@@ -88,8 +89,9 @@ impl AppState {
     }
 }
 
+/// One catalogue entry.
 #[derive(Debug, Clone, Serialize)]
-struct Item {
+pub struct Item {
     id: u32,
     name: &'static str,
     price_cents: u32,
@@ -113,7 +115,9 @@ const ITEMS: [Item; 3] = [
     },
 ];
 
-async fn list_items() -> Json<&'static [Item]> {
+/// `GET /api/items`: the catalogue. Public so that `loadtest http-cost`'s
+/// peers (`examples/peer_*.rs`) serve the very same body.
+pub async fn list_items() -> Json<&'static [Item]> {
     Json(&ITEMS)
 }
 
@@ -275,32 +279,103 @@ async fn problem_for_bare_errors(response: Response) -> Response {
 /// nothing would be waited for). Before the limiter (a route layer outside
 /// it): a body that cannot be taken costs no token and no Redis call. A body without a length
 /// (chunked) is cut at the limit by `DefaultBodyLimit` as it is read.
-async fn refuse_declared_too_large(
-    State(state): State<AppState>,
-    request: Request,
-    next: axum::middleware::Next,
-) -> Response {
-    let limit = state.http.body_limit;
+fn refuse_declared_too_large(limit: usize, request: &Request) -> Option<Response> {
     let declared = request
         .headers()
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
-    if let Some(length) = declared.filter(|&n| n > limit as u64) {
-        let mut answer = problem(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "too-large",
-            "Content Too Large",
-            format!("the body declares {length} bytes; at most {limit} are taken"),
-        );
-        // The body is never read: the connection cannot carry another
-        // request.
-        answer
-            .headers_mut()
-            .insert(header::CONNECTION, HeaderValue::from_static("close"));
-        return answer;
+    let length = declared.filter(|&n| n > limit as u64)?;
+    let mut answer = problem(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "too-large",
+        "Content Too Large",
+        format!("the body declares {length} bytes; at most {limit} are taken"),
+    );
+    // The body is never read: the connection cannot carry another
+    // request.
+    answer
+        .headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    Some(answer)
+}
+
+type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>;
+
+/// The layers of `app` written as tower services rather than
+/// `axum::middleware::{from_fn, map_response}_with_state`: those clone the
+/// state (`AppState`) and the inner stack, boxing it as a `Next`, on every
+/// request; a profile of the limited route showed the nested `clone_box`
+/// calls and `drop_in_place<AppState>`. Each of these decides before the
+/// call or after it, so the inner service is called at once, as it stands
+/// ready, and only what it needs is kept: a number, a header value.
+#[derive(Debug, Clone)]
+enum Step {
+    /// [`refuse_declared_too_large`], at this body limit.
+    RefuseTooLarge(usize),
+    /// [`problem_for_bare_errors`], then `X-Instance-Id` (none for an id
+    /// that is no header value).
+    Finish(Option<HeaderValue>),
+}
+
+#[derive(Debug, Clone)]
+struct StepLayer(Step);
+
+impl<S> tower::Layer<S> for StepLayer {
+    type Service = StepService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        StepService {
+            inner,
+            step: self.0.clone(),
+        }
     }
-    next.run(request).await
+}
+
+#[derive(Debug, Clone)]
+struct StepService<S> {
+    inner: S,
+    step: Step,
+}
+
+impl<S> tower::Service<Request> for StepService<S>
+where
+    S: tower::Service<Request, Response = Response>,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+{
+    type Response = Response;
+    type Error = S::Error;
+    type Future = BoxFuture<Result<Response, S::Error>>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request) -> Self::Future {
+        match &self.step {
+            Step::RefuseTooLarge(limit) => {
+                if let Some(answer) = refuse_declared_too_large(*limit, &request) {
+                    return Box::pin(std::future::ready(Ok(answer)));
+                }
+                Box::pin(self.inner.call(request))
+            }
+            Step::Finish(instance_id) => {
+                let instance_id = instance_id.clone();
+                let response = self.inner.call(request);
+                Box::pin(async move {
+                    let mut response = problem_for_bare_errors(response.await?).await;
+                    if let Some(id) = instance_id {
+                        response.headers_mut().insert(INSTANCE_ID_HEADER, id);
+                    }
+                    Ok(response)
+                })
+            }
+        }
+    }
 }
 
 async fn healthz() -> &'static str {
@@ -398,17 +473,11 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
 }
 
-async fn add_instance_id(State(state): State<AppState>, mut response: Response) -> Response {
-    if let Ok(v) = HeaderValue::from_str(&state.instance_id) {
-        response.headers_mut().insert(INSTANCE_ID_HEADER, v);
-    }
-    response
-}
-
 /// The whole service: the sample API behind the limiter, plus operations
 /// endpoints that are never limited (a throttled health check would take a
 /// healthy instance out of its balancer).
 pub fn app(state: AppState) -> Router {
+    let instance_id = HeaderValue::from_str(&state.instance_id).ok();
     let api = Router::new()
         .route("/api/items", get(list_items))
         .route("/api/items/{id}", get(get_item))
@@ -423,30 +492,37 @@ pub fn app(state: AppState) -> Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .fallback(no_route)
-        // Outside the limiter, inside the route's telemetry: a body that
-        // cannot be taken costs no check, and its 413 is labelled by route.
-        .route_layer(axum::middleware::from_fn_with_state(
-            state.clone(),
-            refuse_declared_too_large,
-        ))
-        // The whole request once its headers are in, its body included: a
-        // stalled body is answered 408 (the connection then closes). Only
-        // routes read bodies; the fallback answers at once.
-        .route_layer(tower_http::timeout::TimeoutLayer::with_status_code(
-            StatusCode::REQUEST_TIMEOUT,
-            state.http.request_timeout,
-        ))
-        // Outside the limiter: every matched route's template reaches the
-        // telemetry layer, 429s, 408s and 413s included.
-        .route_layer(axum::middleware::from_fn(telemetry::http::mark_route))
-        // Streamed bodies are cut at the limit as they are read.
-        .layer(DefaultBodyLimit::max(state.http.body_limit))
-        .layer(axum::middleware::map_response(problem_for_bare_errors))
-        .layer(axum::middleware::map_response_with_state(
-            state.clone(),
-            add_instance_id,
-        ))
-        // Outermost: times and counts every response, 404s included.
-        .layer(telemetry::http::HttpLayer)
+        // Each `route_layer` and `layer` call wraps every route in another
+        // boxed `Route`, and axum clones a route's whole nest of them on
+        // every request (the profile's nested `clone_box`): the layers are
+        // stacked first, outermost first, and applied once each way.
+        .route_layer(
+            ServiceBuilder::new()
+                // Outside the limiter: every matched route's template
+                // reaches the telemetry layer, 429s, 408s and 413s included.
+                .layer(telemetry::http::MarkRouteLayer)
+                // The whole request once its headers are in, its body
+                // included: a stalled body is answered 408 (the connection
+                // then closes). Only routes read bodies; the fallback
+                // answers at once.
+                .layer(tower_http::timeout::TimeoutLayer::with_status_code(
+                    StatusCode::REQUEST_TIMEOUT,
+                    state.http.request_timeout,
+                ))
+                // Outside the limiter, inside the route's telemetry: a body
+                // that cannot be taken costs no check, and its 413 is
+                // labelled by route.
+                .layer(StepLayer(Step::RefuseTooLarge(state.http.body_limit))),
+        )
+        .layer(
+            ServiceBuilder::new()
+                // Outermost: times and counts every response, 404s included.
+                .layer(telemetry::http::HttpLayer)
+                // Bare errors given problem+json bodies, then every response
+                // named by this instance.
+                .layer(StepLayer(Step::Finish(instance_id)))
+                // Streamed bodies are cut at the limit as they are read.
+                .layer(DefaultBodyLimit::max(state.http.body_limit)),
+        )
         .with_state(state)
 }

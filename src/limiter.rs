@@ -10,14 +10,15 @@ use crate::algorithm::{Decision, Limit};
 use crate::clock::Clock;
 use crate::hotkeys::HotKeys;
 use crate::identity::{Identifier, IdentityError, KeyHasher, KeyKind};
-use crate::metrics as m;
+use crate::metrics::{self as m, Handles};
 use crate::policy::{Policies, RoutePolicy};
 use crate::store::{Check, Checked, Source, Store, StoreError};
 use crate::telemetry::TARGET;
 use http::{HeaderMap, Method};
+use metrics::{Counter, Gauge, Histogram};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Instant;
 use tracing::Instrument;
 
@@ -80,6 +81,7 @@ pub struct Limiter {
     clock: Arc<dyn Clock>,
     near_limit_fraction: f64,
     hot_keys: Option<Arc<HotKeys>>,
+    metrics: Metrics,
 }
 
 /// The limiter in force, replaced whole when the config is reloaded.
@@ -132,18 +134,99 @@ impl CurrentLimiter {
 
 /// Counts a check in `ratelimit_checks_in_flight` while it lives (a check
 /// dropped with its request counts out too).
-struct InFlight;
+struct InFlight(Gauge);
 
 impl InFlight {
-    fn enter() -> Self {
-        metrics::gauge!(m::CHECKS_IN_FLIGHT).increment(1.0);
-        Self
+    fn enter(gauge: Gauge) -> Self {
+        gauge.increment(1.0);
+        Self(gauge)
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        metrics::gauge!(m::CHECKS_IN_FLIGHT).decrement(1.0);
+        self.0.decrement(1.0);
+    }
+}
+
+/// The limiter's metric handles, each registered on its first use and
+/// kept (see [`Handles`]): no label vector built, no registry lookup, per
+/// check.
+#[derive(Debug, Default)]
+struct Metrics {
+    in_flight: OnceLock<Gauge>,
+    /// By policy, decision, key kind, source.
+    decisions: Handles<(Arc<str>, &'static str, &'static str, &'static str), Counter>,
+    /// By policy, source.
+    durations: Handles<(Arc<str>, &'static str), Histogram>,
+    /// By policy, key kind.
+    near_limit: Handles<(Arc<str>, &'static str), Counter>,
+}
+
+impl Metrics {
+    fn in_flight(&self) -> Gauge {
+        self.in_flight
+            .get_or_init(|| metrics::gauge!(m::CHECKS_IN_FLIGHT))
+            .clone()
+    }
+
+    fn decision(
+        &self,
+        policy: &Arc<str>,
+        decision: &'static str,
+        kind: &'static str,
+        source: &'static str,
+    ) -> Counter {
+        let key = (Arc::clone(policy), decision, kind, source);
+        self.decisions.get(
+            &key,
+            || key.clone(),
+            || {
+                metrics::counter!(
+                    m::DECISIONS_TOTAL,
+                    "policy" => Arc::clone(policy),
+                    "decision" => decision,
+                    "key_kind" => kind,
+                    "source" => source,
+                )
+            },
+        )
+    }
+
+    fn duration(
+        &self,
+        backend: &'static str,
+        policy: &Arc<str>,
+        source: &'static str,
+    ) -> Histogram {
+        let key = (Arc::clone(policy), source);
+        self.durations.get(
+            &key,
+            || key.clone(),
+            || {
+                metrics::histogram!(
+                    m::CHECK_DURATION_SECONDS,
+                    "backend" => backend,
+                    "policy" => Arc::clone(policy),
+                    "source" => source,
+                )
+            },
+        )
+    }
+
+    fn near_limit(&self, policy: &Arc<str>, kind: &'static str) -> Counter {
+        let key = (Arc::clone(policy), kind);
+        self.near_limit.get(
+            &key,
+            || key.clone(),
+            || {
+                metrics::counter!(
+                    m::NEAR_LIMIT_TOTAL,
+                    "policy" => Arc::clone(policy),
+                    "key_kind" => kind,
+                )
+            },
+        )
     }
 }
 
@@ -168,6 +251,7 @@ impl Limiter {
             clock,
             near_limit_fraction,
             hot_keys: None,
+            metrics: Metrics::default(),
         }
     }
 
@@ -287,7 +371,7 @@ impl Limiter {
         );
         let started = Instant::now();
         let result = {
-            let _in_flight = InFlight::enter();
+            let _in_flight = InFlight::enter(self.metrics.in_flight());
             self.store.check(check).instrument(span.clone()).await
         };
         let elapsed = started.elapsed().as_secs_f64();
@@ -296,13 +380,9 @@ impl Limiter {
             Err(StoreError::Unavailable { .. }) => "failclosed",
             Err(_) => "error",
         };
-        metrics::histogram!(
-            m::CHECK_DURATION_SECONDS,
-            "backend" => self.store.backend(),
-            "policy" => Arc::clone(&policy.name),
-            "source" => source,
-        )
-        .record(elapsed);
+        self.metrics
+            .duration(self.store.backend(), &policy.name, source)
+            .record(elapsed);
         span.record("ratelimit.source", source);
         if let Some(hot) = &self.hot_keys {
             let store_call = matches!(
@@ -324,14 +404,9 @@ impl Limiter {
         }
         let count = |verdict: &'static str| {
             span.record("ratelimit.decision", verdict);
-            metrics::counter!(
-                m::DECISIONS_TOTAL,
-                "policy" => Arc::clone(&policy.name),
-                "decision" => verdict,
-                "key_kind" => kind.as_str(),
-                "source" => source,
-            )
-            .increment(1);
+            self.metrics
+                .decision(&policy.name, verdict, kind.as_str(), source)
+                .increment(1);
         };
         let policy = Arc::clone(policy);
         match result {
@@ -350,12 +425,9 @@ impl Limiter {
                     && (decision.remaining as f64)
                         < self.near_limit_fraction * decision.limit as f64
                 {
-                    metrics::counter!(
-                        m::NEAR_LIMIT_TOTAL,
-                        "policy" => Arc::clone(&policy.name),
-                        "key_kind" => kind.as_str(),
-                    )
-                    .increment(1);
+                    self.metrics
+                        .near_limit(&policy.name, kind.as_str())
+                        .increment(1);
                 }
                 Outcome::Decided {
                     policy,

@@ -6,7 +6,10 @@
 //! (`MatchedPath`), never raw URIs, keys or addresses.
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use std::sync::OnceLock;
+use std::borrow::Borrow;
+use std::collections::HashMap;
+use std::hash::Hash;
+use std::sync::{OnceLock, RwLock};
 
 /// Histogram: every HTTP response this instance sends, its duration from
 /// the request's arrival (the limiter's own 429/400/401/503 included), by
@@ -161,6 +164,55 @@ pub const SECONDS_BUCKETS: &[f64] = &[
     0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.000_75, 0.001, 0.001_5, 0.002,
     0.002_5, 0.003, 0.004, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 ];
+
+/// Metric handles (`Counter`, `Gauge`, `Histogram`: each an `Arc` on its
+/// series) by their label values, each registered with the recorder on
+/// its first use, as the `counter!`-style macros would, and kept.
+///
+/// The macros build a `Key` (a label vector, owned strings) and look it
+/// up in the recorder's registry on every call; a profile of the limited
+/// route showed that lookup (`Registry::get_or_create_*`, `Key::eq`), the
+/// route label's `String` and the allocations under them. Here the label
+/// values are the map key: `&'static str`s, a policy's `Arc<str>`, a
+/// status code; a route template is looked up by `&str`. A series still
+/// appears only once used, as before.
+#[derive(Debug)]
+pub struct Handles<K, H> {
+    map: RwLock<HashMap<K, H>>,
+}
+
+impl<K, H> Default for Handles<K, H> {
+    fn default() -> Self {
+        Self {
+            map: RwLock::new(HashMap::new()),
+        }
+    }
+}
+
+impl<K: Hash + Eq, H: Clone> Handles<K, H> {
+    /// The handle for `key` (looked up as `query`), registered by
+    /// `register` the first time.
+    pub fn get<Q>(&self, query: &Q, key: impl FnOnce() -> K, register: impl FnOnce() -> H) -> H
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        let read = self
+            .map
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(handle) = read.get(query) {
+            return handle.clone();
+        }
+        drop(read);
+        self.map
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .entry(key())
+            .or_insert_with(register)
+            .clone()
+    }
+}
 
 /// Installs the Prometheus recorder once per process and returns its handle.
 /// Later calls (tests starting several apps) get the same handle.

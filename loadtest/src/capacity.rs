@@ -214,7 +214,7 @@ pub fn quantile_between(before: &[(f64, f64)], after: &[(f64, f64)], q: f64) -> 
 }
 
 /// CPU time (seconds) of a process so far, from /proc.
-fn process_cpu(pid: u32) -> Option<f64> {
+pub(crate) fn process_cpu(pid: u32) -> Option<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let fields: Vec<&str> = stat.rsplit_once(") ")?.1.split_whitespace().collect();
     let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;

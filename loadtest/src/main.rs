@@ -20,6 +20,10 @@
 //! `cargo run -p loadtest -- trace-cost` measures what tracing costs a
 //! request: off, ratio 0.01 and 1, alternately (see `tracecost.rs`).
 //!
+//! `cargo run --release -p loadtest -- http-cost` measures server CPU per
+//! request over HTTP beside tower_governor and plain axum (see
+//! `httpcost.rs`).
+//!
 //! `cargo run -p loadtest -- outage` kills, hangs, slows and black-holes
 //! Redis under load (see `outage.rs`) and measures what each failure mode
 //! admits, how long requests wait and how fast Redis takes over again.
@@ -27,6 +31,7 @@
 mod capacity;
 mod compare;
 mod drill;
+mod httpcost;
 mod instances;
 mod luabench;
 mod mitigations;
@@ -89,6 +94,9 @@ enum Command {
     Compare(compare::CompareArgs),
     /// Throughput and latency with tracing off, at ratio 0.01 and at 1.
     TraceCost(tracecost::TraceCostArgs),
+    /// Server CPU per request over HTTP: unlimited, memory, lua and denied
+    /// routes beside tower_governor and a plain axum handler, pinned.
+    HttpCost(httpcost::HttpCostArgs),
     /// Run one API instance (what the `ratelimiter` binary runs); used by
     /// the scenarios that start their own instances.
     #[command(hide = true)]
@@ -207,6 +215,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
         Command::TraceCost(args) => {
             tracecost::run(args).await?;
         }
+        Command::HttpCost(args) => httpcost::run(args).await?,
         Command::Outage(args) => {
             let results = outage::run(args).await?;
             let errors: usize = results.iter().map(|r| r.errors).sum();

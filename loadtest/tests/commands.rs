@@ -538,3 +538,78 @@ fn mitigations_never_over_admit_and_sharding_spreads_the_calls() {
     );
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// The peers `http-cost` runs, built beside this test's loadtest binary
+/// (`cargo test --workspace --all-targets` builds them; alone, this test
+/// builds them).
+fn peers_built() {
+    let examples = std::path::Path::new(BIN).parent().unwrap().join("examples");
+    if ["peer_governor", "peer_plain"]
+        .iter()
+        .all(|p| examples.join(p).is_file())
+    {
+        return;
+    }
+    let status = Command::new(env!("CARGO"))
+        .args(["build", "-p", "ratelimiter", "--examples"])
+        .status()
+        .unwrap();
+    assert!(status.success(), "cannot build the peers");
+}
+
+/// A short http-cost run: every variant measured, the tables written, the
+/// figures sane (CPU per request above zero and below a millisecond, each
+/// answer as the variant promises, the ratios within the same round).
+#[test]
+fn http_cost_writes_its_tables() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    peers_built();
+    let dir = std::env::temp_dir().join(format!("loadtest-http-cost-{}", std::process::id()));
+    let out = Command::new(BIN)
+        .args(["http-cost", "--requests", "3000", "--warmup", "300"])
+        .args(["--repeats", "2", "--connections", "4", "--out"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let table = std::fs::read_to_string(dir.join("table.md")).unwrap();
+    println!("{table}");
+    assert!(table.contains("Command: `loadtest http-cost --requests 3000"));
+    for variant in ["unlimited", "memory", "lua", "denied", "governor", "plain"] {
+        let cells: Vec<&str> = table
+            .lines()
+            .find(|l| l.starts_with(&format!("| {variant} |")))
+            .unwrap_or_else(|| panic!("no {variant} row in:\n{table}"))
+            .split('|')
+            .map(str::trim)
+            .collect();
+        // | variant | server us | Redis us | vs governor | vs plain | req/s | p50 | p99 | answers |
+        let median = |cell: &str| -> f64 { cell.split(" / ").nth(1).unwrap().parse().unwrap() };
+        let us = median(cells[2]);
+        assert!(us > 0.0 && us < 1000.0, "{variant}: {us} us per request");
+        assert!(median(cells[4]) > 0.0, "{variant}: ratio {}", cells[4]);
+        let answers = if variant == "denied" {
+            "6000 x 429"
+        } else {
+            "6000 x 200"
+        };
+        assert_eq!(cells[9], answers, "{variant}");
+        if variant == "lua" {
+            assert!(median(cells[3]) > 0.0, "Redis CPU read");
+        }
+    }
+    assert!(table.contains("- memory-limited route vs tower_governor with headers: median "));
+    let runs = csv_rows(&dir.join("runs.csv"));
+    assert_eq!(runs.len(), 12, "6 variants x 2 rounds");
+    assert!(runs.iter().all(|r| r["other"] == "0"));
+    assert!(
+        std::fs::read_to_string(dir.join("table.csv"))
+            .unwrap()
+            .starts_with("variant,")
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}

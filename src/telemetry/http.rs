@@ -3,7 +3,7 @@
 //! [`HttpLayer`] wraps the whole router, so it times and counts every
 //! response: the API's, the limiter's own 429/400/401/503, the operations
 //! endpoints', and 404s. The route template is known only after routing,
-//! inside the router: [`mark_route`] (a `route_layer`) copies it from the
+//! inside the router: [`MarkRouteLayer`] (a `route_layer`) copies it from the
 //! request onto the response, where this layer reads it.
 //!
 //! Labels follow the OpenTelemetry HTTP semantic conventions, bounded: the
@@ -11,15 +11,15 @@
 //! (`unmatched` when no route matched), the status code.
 
 use super::TARGET;
-use crate::metrics as m;
+use crate::metrics::{self as m, Handles};
 use axum::body::Body;
 use axum::extract::{MatchedPath, Request};
-use axum::middleware::Next;
 use axum::response::Response;
 use http::{HeaderMap, Method};
 use opentelemetry::propagation::Extractor;
 use opentelemetry::trace::TraceContextExt;
 use std::borrow::Cow;
+use std::sync::{Arc, LazyLock};
 use std::task::{Context, Poll};
 use std::time::Instant;
 use tower::{Layer, Service};
@@ -30,13 +30,54 @@ type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send
 
 /// Copies the matched route template onto the response (for [`HttpLayer`]);
 /// use as the router's outermost `route_layer`.
-pub async fn mark_route(request: Request, next: Next) -> Response {
-    let route = request.extensions().get::<MatchedPath>().cloned();
-    let mut response = next.run(request).await;
-    if let Some(route) = route {
-        response.extensions_mut().insert(route);
+///
+/// A tower layer rather than `axum::middleware::from_fn`: `from_fn` clones
+/// the route's whole inner stack and boxes it as a `Next` on every request
+/// (a profile of the limited route showed those `clone_box` calls, nested
+/// once per layer below, and the state clones they carry). The template
+/// is known before the call, so the inner service is called at once, as
+/// it stands ready, and nothing is cloned.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MarkRouteLayer;
+
+impl<S> Layer<S> for MarkRouteLayer {
+    type Service = MarkRoute<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        MarkRoute { inner }
     }
-    response
+}
+
+/// The service [`MarkRouteLayer`] makes.
+#[derive(Debug, Clone)]
+pub struct MarkRoute<S> {
+    inner: S,
+}
+
+impl<S> Service<Request<Body>> for MarkRoute<S>
+where
+    S: Service<Request<Body>, Response = Response>,
+    S::Future: Send + 'static,
+{
+    type Response = Response;
+    type Error = S::Error;
+    type Future = BoxFuture<Result<Response, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<Body>) -> Self::Future {
+        let route = request.extensions().get::<MatchedPath>().cloned();
+        let response = self.inner.call(request);
+        Box::pin(async move {
+            let mut response = response.await?;
+            if let Some(route) = route {
+                response.extensions_mut().insert(route);
+            }
+            Ok(response)
+        })
+    }
 }
 
 /// The method as a bounded label.
@@ -77,6 +118,28 @@ fn status_label(status: u16) -> Cow<'static, str> {
         Some((_, label)) => Cow::Borrowed(label),
         None => Cow::Owned(status.to_string()),
     }
+}
+
+/// Routes' duration histograms: by template, then by method and status.
+type ByRoute = Handles<Box<str>, Arc<Handles<(&'static str, u16), metrics::Histogram>>>;
+
+/// The `http_server_request_duration_seconds` series of one response,
+/// registered on its first use (see [`Handles`]).
+fn request_duration(method: &'static str, route: &str, status: u16) -> metrics::Histogram {
+    static BY_ROUTE: LazyLock<ByRoute> = LazyLock::new(ByRoute::default);
+    let by_code = BY_ROUTE.get(route, || route.into(), Arc::default);
+    by_code.get(
+        &(method, status),
+        || (method, status),
+        || {
+            metrics::histogram!(
+                m::HTTP_SERVER_REQUEST_DURATION_SECONDS,
+                "http_request_method" => method,
+                "http_route" => route.to_owned(),
+                "http_response_status_code" => status_label(status),
+            )
+        },
+    )
 }
 
 /// Reads W3C trace context from request headers.
@@ -153,13 +216,7 @@ where
                 .get::<MatchedPath>()
                 .map_or("unmatched", MatchedPath::as_str);
             let status = response.status().as_u16();
-            metrics::histogram!(
-                m::HTTP_SERVER_REQUEST_DURATION_SECONDS,
-                "http_request_method" => method,
-                "http_route" => route.to_owned(),
-                "http_response_status_code" => status_label(status),
-            )
-            .record(started.elapsed().as_secs_f64());
+            request_duration(method, route, status).record(started.elapsed().as_secs_f64());
             if !span.is_disabled() {
                 span.record("http.route", route);
                 span.record("http.response.status_code", status);
