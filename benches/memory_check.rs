@@ -19,9 +19,7 @@
 //! Bench names are stable (`cargo test --benches` and saved baselines use
 //! them): `<group>/<function>` with groups `1_key`, `10k_keys`.
 
-use criterion::{
-    BenchmarkGroup, Criterion, criterion_group, criterion_main, measurement::WallTime,
-};
+use criterion::{BenchmarkGroup, Criterion, criterion_group, measurement::WallTime};
 use governor::clock::FakeRelativeClock;
 use governor::middleware::{NoOpMiddleware, StateInformationMiddleware};
 use governor::nanos::Nanos;
@@ -152,4 +150,67 @@ fn memory_check(c: &mut Criterion) {
 }
 
 criterion_group!(benches, memory_check, clocks);
-criterion_main!(benches);
+
+/// `MEMORY_CHECK_LOOP=<bench>:<keys>:<checks>` (e.g.
+/// `memory_store_fixed_now:10000:1000000`) runs that many checks of one
+/// variant and exits, instead of criterion: a fixed amount of work for
+/// `valgrind --tool=callgrind`, whose instruction counts repeat exactly
+/// where this VM's timings do not. Variants: `memory_store_fixed_now`,
+/// `governor_fake_clock`, `memory_store`, `governor`.
+fn fixed_loop(spec: &str) {
+    let mut parts = spec.split(':');
+    let (Some(name), Some(n), Some(checks)) = (parts.next(), parts.next(), parts.next()) else {
+        panic!("MEMORY_CHECK_LOOP=<bench>:<keys>:<checks>, not {spec:?}");
+    };
+    let n: usize = n.parse().expect("keys");
+    let checks: usize = checks.parse().expect("checks");
+    let keys = keys(n);
+    let limit = Limit::per_second(u64::from(BURST), u64::from(PER_SECOND)).expect("valid limit");
+    let quota = Quota::per_second(NonZeroU32::new(PER_SECOND).expect("nonzero"))
+        .allow_burst(NonZeroU32::new(BURST).expect("nonzero"));
+    let mut check = Check::new(BucketKey(0), limit, 1, 0);
+    let store = MemoryStore::new(MAX_KEYS, SHARDS);
+    let now = SystemClock.now();
+    let clock = FastClock::default();
+    let fake: RateLimiter<u64, _, FakeRelativeClock, NoOpMiddleware<Nanos>> = RateLimiter::new(
+        quota,
+        DefaultKeyedStateStore::<u64>::default(),
+        FakeRelativeClock::default(),
+    );
+    let real = RateLimiter::keyed(quota);
+    // The variant is chosen once, outside the loop, so the loop counts
+    // only the checks (and the key cycling both sides share).
+    let run = |check_one: &mut dyn FnMut(u128)| {
+        for i in 0..checks {
+            check_one(black_box(keys[i % n]));
+        }
+    };
+    match name {
+        "memory_store_fixed_now" => run(&mut |key| {
+            check.key = BucketKey(key);
+            check.now = black_box(now);
+            black_box(store.decide(&check)).ok();
+        }),
+        "memory_store" => run(&mut |key| {
+            check.key = BucketKey(key);
+            check.now = clock.now();
+            black_box(store.decide(&check)).ok();
+        }),
+        "governor_fake_clock" => run(&mut |key| {
+            black_box(fake.check_key(&(key as u64))).ok();
+        }),
+        "governor" => run(&mut |key| {
+            black_box(real.check_key(&(key as u64))).ok();
+        }),
+        other => panic!("no loop variant {other:?}"),
+    }
+}
+
+fn main() {
+    if let Ok(spec) = std::env::var("MEMORY_CHECK_LOOP") {
+        fixed_loop(&spec);
+        return;
+    }
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}
