@@ -30,7 +30,7 @@ use ratelimiter::clock::{Clock, FastClock, SystemClock};
 use ratelimiter::store::{BucketKey, Check, MemoryStore};
 use std::hint::black_box;
 use std::num::NonZeroU32;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 const BURST: u32 = 100;
 const PER_SECOND: u32 = 10;
@@ -151,6 +151,84 @@ fn memory_check(c: &mut Criterion) {
 
 criterion_group!(benches, memory_check, clocks);
 
+/// One check of each variant the fixed-work modes below run, by bench
+/// name, each with its own fresh state.
+type Variant = (&'static str, Box<dyn FnMut(u128)>);
+
+fn variants() -> Vec<Variant> {
+    let limit = Limit::per_second(u64::from(BURST), u64::from(PER_SECOND)).expect("valid limit");
+    let quota = Quota::per_second(NonZeroU32::new(PER_SECOND).expect("nonzero"))
+        .allow_burst(NonZeroU32::new(BURST).expect("nonzero"));
+    let check = Check::new(BucketKey(0), limit, 1, 0);
+    let deployed = {
+        let (mut check, store, clock) = (
+            check,
+            MemoryStore::new(MAX_KEYS, SHARDS),
+            FastClock::default(),
+        );
+        move |key| {
+            check.key = BucketKey(key);
+            check.now = clock.now();
+            black_box(store.decide(&check)).ok();
+        }
+    };
+    let fixed_now = {
+        let (mut check, store, now) =
+            (check, MemoryStore::new(MAX_KEYS, SHARDS), SystemClock.now());
+        move |key| {
+            check.key = BucketKey(key);
+            check.now = black_box(now);
+            black_box(store.decide(&check)).ok();
+        }
+    };
+    let governor = {
+        let limiter = RateLimiter::keyed(quota);
+        move |key: u128| {
+            black_box(limiter.check_key(&(key as u64))).ok();
+        }
+    };
+    let governor_fake_clock = {
+        let limiter: RateLimiter<u64, _, FakeRelativeClock, NoOpMiddleware<Nanos>> =
+            RateLimiter::new(
+                quota,
+                DefaultKeyedStateStore::<u64>::default(),
+                FakeRelativeClock::default(),
+            );
+        move |key: u128| {
+            black_box(limiter.check_key(&(key as u64))).ok();
+        }
+    };
+    vec![
+        ("memory_store", Box::new(deployed)),
+        ("governor", Box::new(governor)),
+        ("memory_store_fixed_now", Box::new(fixed_now)),
+        ("governor_fake_clock", Box::new(governor_fake_clock)),
+    ]
+}
+
+/// Runs `checks` checks of `variant` on `keys` visited in turn (from
+/// where `next` left off); returns the wall time per check.
+fn run(variant: &mut dyn FnMut(u128), keys: &[u128], next: &mut usize, checks: usize) -> f64 {
+    let start = Instant::now();
+    for _ in 0..checks {
+        variant(black_box(keys[*next]));
+        *next = if *next + 1 == keys.len() {
+            0
+        } else {
+            *next + 1
+        };
+    }
+    start.elapsed().as_nanos() as f64 / checks as f64
+}
+
+fn numbers(spec: &str, what: &str) -> [usize; 2] {
+    let mut parts = spec.split(':').map(|p| p.parse::<usize>().expect(what));
+    match (parts.next(), parts.next(), parts.next()) {
+        (Some(a), Some(b), None) => [a, b],
+        _ => panic!("{what}, not {spec:?}"),
+    }
+}
+
 /// `MEMORY_CHECK_LOOP=<bench>:<keys>:<checks>` (e.g.
 /// `memory_store_fixed_now:10000:1000000`) runs that many checks of one
 /// variant and exits, instead of criterion: a fixed amount of work for
@@ -158,57 +236,56 @@ criterion_group!(benches, memory_check, clocks);
 /// where this VM's timings do not. Variants: `memory_store_fixed_now`,
 /// `governor_fake_clock`, `memory_store`, `governor`.
 fn fixed_loop(spec: &str) {
-    let mut parts = spec.split(':');
-    let (Some(name), Some(n), Some(checks)) = (parts.next(), parts.next(), parts.next()) else {
-        panic!("MEMORY_CHECK_LOOP=<bench>:<keys>:<checks>, not {spec:?}");
-    };
-    let n: usize = n.parse().expect("keys");
-    let checks: usize = checks.parse().expect("checks");
+    let (name, rest) = spec.split_once(':').expect("<bench>:<keys>:<checks>");
+    let [n, checks] = numbers(rest, "<bench>:<keys>:<checks>");
+    let mut all = variants();
+    let (_, variant) = all
+        .iter_mut()
+        .find(|(v, _)| *v == name)
+        .unwrap_or_else(|| panic!("no loop variant {name:?}"));
+    run(variant, &keys(n), &mut 0, checks);
+}
+
+/// `MEMORY_CHECK_INTERLEAVE=<keys>:<rounds>`: every variant in turn, a
+/// million checks each (more for many keys), `rounds` times, then each one's min / median / max
+/// ns per check. On a machine whose load comes and goes, turns taken
+/// within a second of each other see the same load, which consecutive
+/// criterion benches (seconds apart) do not.
+fn interleaved(spec: &str) {
+    const CHUNK: usize = 1_000_000;
+    let [n, rounds] = numbers(spec, "<keys>:<rounds>");
     let keys = keys(n);
-    let limit = Limit::per_second(u64::from(BURST), u64::from(PER_SECOND)).expect("valid limit");
-    let quota = Quota::per_second(NonZeroU32::new(PER_SECOND).expect("nonzero"))
-        .allow_burst(NonZeroU32::new(BURST).expect("nonzero"));
-    let mut check = Check::new(BucketKey(0), limit, 1, 0);
-    let store = MemoryStore::new(MAX_KEYS, SHARDS);
-    let now = SystemClock.now();
-    let clock = FastClock::default();
-    let fake: RateLimiter<u64, _, FakeRelativeClock, NoOpMiddleware<Nanos>> = RateLimiter::new(
-        quota,
-        DefaultKeyedStateStore::<u64>::default(),
-        FakeRelativeClock::default(),
-    );
-    let real = RateLimiter::keyed(quota);
-    // The variant is chosen once, outside the loop, so the loop counts
-    // only the checks (and the key cycling both sides share).
-    let run = |check_one: &mut dyn FnMut(u128)| {
-        for i in 0..checks {
-            check_one(black_box(keys[i % n]));
+    let mut all = variants();
+    let mut times = vec![Vec::new(); all.len()];
+    let mut next = vec![0; all.len()];
+    // A first round unrecorded: it drains the buckets (the admissions),
+    // so that every recorded one measures what criterion does.
+    for round in 0..=rounds {
+        for (i, (_, variant)) in all.iter_mut().enumerate() {
+            let t = run(variant, &keys, &mut next[i], CHUNK.max(n * 200));
+            if round > 0 {
+                times[i].push(t);
+            }
         }
-    };
-    match name {
-        "memory_store_fixed_now" => run(&mut |key| {
-            check.key = BucketKey(key);
-            check.now = black_box(now);
-            black_box(store.decide(&check)).ok();
-        }),
-        "memory_store" => run(&mut |key| {
-            check.key = BucketKey(key);
-            check.now = clock.now();
-            black_box(store.decide(&check)).ok();
-        }),
-        "governor_fake_clock" => run(&mut |key| {
-            black_box(fake.check_key(&(key as u64))).ok();
-        }),
-        "governor" => run(&mut |key| {
-            black_box(real.check_key(&(key as u64))).ok();
-        }),
-        other => panic!("no loop variant {other:?}"),
+    }
+    for ((name, _), mut t) in all.iter().zip(times) {
+        t.sort_by(f64::total_cmp);
+        println!(
+            "{n} keys {name}: {:.1} / {:.1} / {:.1} ns per check (min / median / max of {rounds})",
+            t[0],
+            t[t.len() / 2],
+            t[t.len() - 1]
+        );
     }
 }
 
 fn main() {
     if let Ok(spec) = std::env::var("MEMORY_CHECK_LOOP") {
         fixed_loop(&spec);
+        return;
+    }
+    if let Ok(spec) = std::env::var("MEMORY_CHECK_INTERLEAVE") {
+        interleaved(&spec);
         return;
     }
     benches();
