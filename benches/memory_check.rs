@@ -19,9 +19,7 @@
 //! Bench names are stable (`cargo test --benches` and saved baselines use
 //! them): `<group>/<function>` with groups `1_key`, `10k_keys`.
 
-use criterion::{
-    BenchmarkGroup, Criterion, criterion_group, criterion_main, measurement::WallTime,
-};
+use criterion::{BenchmarkGroup, Criterion, criterion_group, measurement::WallTime};
 use governor::clock::FakeRelativeClock;
 use governor::middleware::{NoOpMiddleware, StateInformationMiddleware};
 use governor::nanos::Nanos;
@@ -32,7 +30,7 @@ use ratelimiter::clock::{Clock, FastClock, SystemClock};
 use ratelimiter::store::{BucketKey, Check, MemoryStore};
 use std::hint::black_box;
 use std::num::NonZeroU32;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 const BURST: u32 = 100;
 const PER_SECOND: u32 = 10;
@@ -152,4 +150,144 @@ fn memory_check(c: &mut Criterion) {
 }
 
 criterion_group!(benches, memory_check, clocks);
-criterion_main!(benches);
+
+/// One check of each variant the fixed-work modes below run, by bench
+/// name, each with its own fresh state.
+type Variant = (&'static str, Box<dyn FnMut(u128)>);
+
+fn variants() -> Vec<Variant> {
+    let limit = Limit::per_second(u64::from(BURST), u64::from(PER_SECOND)).expect("valid limit");
+    let quota = Quota::per_second(NonZeroU32::new(PER_SECOND).expect("nonzero"))
+        .allow_burst(NonZeroU32::new(BURST).expect("nonzero"));
+    let check = Check::new(BucketKey(0), limit, 1, 0);
+    let deployed = {
+        let (mut check, store, clock) = (
+            check,
+            MemoryStore::new(MAX_KEYS, SHARDS),
+            FastClock::default(),
+        );
+        move |key| {
+            check.key = BucketKey(key);
+            check.now = clock.now();
+            black_box(store.decide(&check)).ok();
+        }
+    };
+    let fixed_now = {
+        let (mut check, store, now) =
+            (check, MemoryStore::new(MAX_KEYS, SHARDS), SystemClock.now());
+        move |key| {
+            check.key = BucketKey(key);
+            check.now = black_box(now);
+            black_box(store.decide(&check)).ok();
+        }
+    };
+    let governor = {
+        let limiter = RateLimiter::keyed(quota);
+        move |key: u128| {
+            black_box(limiter.check_key(&(key as u64))).ok();
+        }
+    };
+    let governor_fake_clock = {
+        let limiter: RateLimiter<u64, _, FakeRelativeClock, NoOpMiddleware<Nanos>> =
+            RateLimiter::new(
+                quota,
+                DefaultKeyedStateStore::<u64>::default(),
+                FakeRelativeClock::default(),
+            );
+        move |key: u128| {
+            black_box(limiter.check_key(&(key as u64))).ok();
+        }
+    };
+    vec![
+        ("memory_store", Box::new(deployed)),
+        ("governor", Box::new(governor)),
+        ("memory_store_fixed_now", Box::new(fixed_now)),
+        ("governor_fake_clock", Box::new(governor_fake_clock)),
+    ]
+}
+
+/// Runs `checks` checks of `variant` on `keys` visited in turn (from
+/// where `next` left off); returns the wall time per check.
+fn run(variant: &mut dyn FnMut(u128), keys: &[u128], next: &mut usize, checks: usize) -> f64 {
+    let start = Instant::now();
+    for _ in 0..checks {
+        variant(black_box(keys[*next]));
+        *next = if *next + 1 == keys.len() {
+            0
+        } else {
+            *next + 1
+        };
+    }
+    start.elapsed().as_nanos() as f64 / checks as f64
+}
+
+fn numbers(spec: &str, what: &str) -> [usize; 2] {
+    let mut parts = spec.split(':').map(|p| p.parse::<usize>().expect(what));
+    match (parts.next(), parts.next(), parts.next()) {
+        (Some(a), Some(b), None) => [a, b],
+        _ => panic!("{what}, not {spec:?}"),
+    }
+}
+
+/// `MEMORY_CHECK_LOOP=<bench>:<keys>:<checks>` (e.g.
+/// `memory_store_fixed_now:10000:1000000`) runs that many checks of one
+/// variant and exits, instead of criterion: a fixed amount of work for
+/// `valgrind --tool=callgrind`, whose instruction counts repeat exactly
+/// where this VM's timings do not. Variants: `memory_store_fixed_now`,
+/// `governor_fake_clock`, `memory_store`, `governor`.
+fn fixed_loop(spec: &str) {
+    let (name, rest) = spec.split_once(':').expect("<bench>:<keys>:<checks>");
+    let [n, checks] = numbers(rest, "<bench>:<keys>:<checks>");
+    let mut all = variants();
+    let (_, variant) = all
+        .iter_mut()
+        .find(|(v, _)| *v == name)
+        .unwrap_or_else(|| panic!("no loop variant {name:?}"));
+    run(variant, &keys(n), &mut 0, checks);
+}
+
+/// `MEMORY_CHECK_INTERLEAVE=<keys>:<rounds>`: every variant in turn, a
+/// million checks each (more for many keys), `rounds` times, then each one's min / median / max
+/// ns per check. On a machine whose load comes and goes, turns taken
+/// within a second of each other see the same load, which consecutive
+/// criterion benches (seconds apart) do not.
+fn interleaved(spec: &str) {
+    const CHUNK: usize = 1_000_000;
+    let [n, rounds] = numbers(spec, "<keys>:<rounds>");
+    let keys = keys(n);
+    let mut all = variants();
+    let mut times = vec![Vec::new(); all.len()];
+    let mut next = vec![0; all.len()];
+    // A first round unrecorded: it drains the buckets (the admissions),
+    // so that every recorded one measures what criterion does.
+    for round in 0..=rounds {
+        for (i, (_, variant)) in all.iter_mut().enumerate() {
+            let t = run(variant, &keys, &mut next[i], CHUNK.max(n * 200));
+            if round > 0 {
+                times[i].push(t);
+            }
+        }
+    }
+    for ((name, _), mut t) in all.iter().zip(times) {
+        t.sort_by(f64::total_cmp);
+        println!(
+            "{n} keys {name}: {:.1} / {:.1} / {:.1} ns per check (min / median / max of {rounds})",
+            t[0],
+            t[t.len() / 2],
+            t[t.len() - 1]
+        );
+    }
+}
+
+fn main() {
+    if let Ok(spec) = std::env::var("MEMORY_CHECK_LOOP") {
+        fixed_loop(&spec);
+        return;
+    }
+    if let Ok(spec) = std::env::var("MEMORY_CHECK_INTERLEAVE") {
+        interleaved(&spec);
+        return;
+    }
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}

@@ -85,31 +85,45 @@ impl FastClock {
         }
     }
 
+    #[inline]
     fn monotonic_micros(&self) -> Micros {
         // Raw counter and one scaling: the cheapest read quanta offers.
         self.clock.delta_as_nanos(self.origin, self.clock.raw()) / 1_000
     }
 }
 
+impl FastClock {
+    /// The once-a-second path of [`FastClock::now`], out of line so the
+    /// every-check path stays a counter read, a compare and an add (with
+    /// it inline, `now` kept a stack frame for `SystemTime` on every call:
+    /// 35 instructions against 16 for governor's quanta clock, callgrind).
+    #[cold]
+    #[inline(never)]
+    fn resync(&self, mono: Micros, due: Micros) -> Option<Micros> {
+        // One caller re-syncs; the others keep the previous offset meanwhile.
+        self.next_sync
+            .compare_exchange(
+                due,
+                mono.saturating_add(self.resync),
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            )
+            .ok()?;
+        let wall = SystemClock.now();
+        self.offset
+            .store(wall.saturating_sub(mono), Ordering::Relaxed);
+        Some(wall)
+    }
+}
+
 impl Clock for FastClock {
+    #[inline]
     fn now(&self) -> Micros {
         let mono = self.monotonic_micros();
         let due = self.next_sync.load(Ordering::Relaxed);
-        // One caller re-syncs; the others keep the previous offset meanwhile.
         if mono >= due
-            && self
-                .next_sync
-                .compare_exchange(
-                    due,
-                    mono.saturating_add(self.resync),
-                    Ordering::Relaxed,
-                    Ordering::Relaxed,
-                )
-                .is_ok()
+            && let Some(wall) = self.resync(mono, due)
         {
-            let wall = SystemClock.now();
-            self.offset
-                .store(wall.saturating_sub(mono), Ordering::Relaxed);
             return wall;
         }
         self.offset.load(Ordering::Relaxed).saturating_add(mono)

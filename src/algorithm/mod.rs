@@ -310,6 +310,22 @@ fn not_packable(limit: &Limit, cost: u64) -> PackedError {
     }
 }
 
+/// One key's packed state in the in-process store: [`decide_in`] runs its
+/// state change on it under the store's lock, and builds the decision after.
+pub trait PackedSlot {
+    /// Runs `step` on the state (`None`: no entry); the state is left
+    /// holding what `step` leaves in it.
+    fn update<R>(self, step: impl FnOnce(&mut Option<Packed>) -> R) -> R;
+}
+
+/// A state held by the caller is a slot with no lock.
+impl PackedSlot for &mut Option<Packed> {
+    #[inline(always)]
+    fn update<R>(self, step: impl FnOnce(&mut Option<Packed>) -> R) -> R {
+        step(self)
+    }
+}
+
 /// [`check`] on a packed state, as the in-process store keeps it, for a
 /// request [`check_packable`] accepted: `state` is what the store holds
 /// (`None`: no entry) and is left holding what it should keep; a denial
@@ -327,11 +343,28 @@ pub fn decide_packed(
     now: Micros,
     ceiling: Option<u64>,
 ) -> Decision {
-    // The hot path: the bucket on its own packed state, inlined.
+    decide_in(state, limit, cost, now, ceiling)
+}
+
+/// [`decide_packed`] on a store's slot. The token bucket (the hot path)
+/// changes its state in the slot and builds its decision after, outside
+/// the store's lock and straight where the caller wants it (see
+/// [`token_bucket::Spent`]).
+#[inline]
+pub fn decide_in(
+    slot: impl PackedSlot,
+    limit: &Limit,
+    cost: u64,
+    now: Micros,
+    ceiling: Option<u64>,
+) -> Decision {
     if limit.algorithm() == Algorithm::TokenBucket {
-        return token_bucket::decide_packed(limit, state, cost, now, ceiling.unwrap_or(u64::MAX));
+        let ceiling = ceiling.unwrap_or(u64::MAX);
+        return slot
+            .update(|state| token_bucket::spend_packed(limit, state, cost, now, ceiling))
+            .decision(limit, cost);
     }
-    decide_packed_other(limit, state, cost, now)
+    slot.update(|state| decide_packed_other(limit, state, cost, now))
 }
 
 /// [`decide_packed`] for the other algorithms, through [`State`] (the

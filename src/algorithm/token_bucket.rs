@@ -116,6 +116,65 @@ pub fn check_within(
     Ok(decide_within(limit, state, cost, now, ceiling))
 }
 
+/// What a spend leaves to report, before it is a [`Decision`]: whether the
+/// request was admitted, the bucket's level (units) after it, and how far
+/// `now` lags the state's own instant (a clock stepped back).
+///
+/// Two words and a flag, so it leaves a store's lock in registers and the
+/// decision (56 bytes: two `Duration`s) is built once, after the lock, where
+/// the caller wants it. Built under the lock instead, the decision was
+/// written piecewise to the stack and copied out with wider loads, which
+/// the CPU cannot forward from narrower stores: `perf record` put a quarter
+/// of the in-memory check on that copy (docs/bench-memory.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Spent {
+    /// Whether the request was admitted (and its cost deducted).
+    pub allowed: bool,
+    /// Units in the bucket after this request.
+    pub tokens: u64,
+    /// `max(now, last) - now`: waits are computed at the state's instant
+    /// and measured from the real `now`.
+    pub skew: u64,
+}
+
+impl Spent {
+    /// The decision for a request of `cost` tokens under `limit`: remaining
+    /// whole tokens (rounded down) and waits (rounded up to a microsecond).
+    #[inline(always)]
+    pub fn decision(self, limit: &Limit, cost: u64) -> Decision {
+        let Spent {
+            allowed,
+            tokens,
+            skew,
+        } = self;
+        let unit = limit.units_per_token();
+        let rate = limit.rate_units_per_us();
+        let wait = |deficit: u64| -> Duration {
+            if deficit == 0 {
+                Duration::ZERO
+            } else {
+                // Rates reduce to 1 unit/us more often than not (10/s, 100/min
+                // are 1 token per 100_000 / 600_000 units); skip the division.
+                let us = if rate == 1 {
+                    deficit
+                } else {
+                    deficit.div_ceil(rate)
+                };
+                Duration::from_micros(us.saturating_add(skew))
+            }
+        };
+        Decision {
+            allowed,
+            limit: limit.burst(),
+            // Denials (the hot path under attack) mostly hold less than a
+            // token: skip the division then.
+            remaining: if tokens < unit { 0 } else { tokens / unit },
+            retry_after: wait(cost.saturating_mul(unit).saturating_sub(tokens)),
+            reset: wait(limit.capacity_units() - tokens),
+        }
+    }
+}
+
 /// [`check_within`] for a cost already checked against the burst (a larger
 /// one is denied, never admitted, with meaningless waits): the form that
 /// runs under a store's lock, with no error to carry.
@@ -127,11 +186,24 @@ pub fn decide_within(
     now: Micros,
     ceiling: u64,
 ) -> (Decision, BucketState) {
+    let (spent, state) = spend(limit, state, cost, now, ceiling);
+    (spent.decision(limit, cost), state)
+}
+
+/// The state change of [`decide_within`], without building the decision
+/// ([`Spent::decision`] does that).
+#[inline(always)]
+pub fn spend(
+    limit: &Limit,
+    state: Option<BucketState>,
+    cost: u64,
+    now: Micros,
+    ceiling: u64,
+) -> (Spent, BucketState) {
     // Everything fits u64: capacity is at most 2^52 (checked in `Limit::new`),
     // and a refill that would overflow is larger than any deficit anyway.
     // (u64 rather than u128 also keeps the divisions single instructions.)
     let cap = limit.capacity_units();
-    let unit = limit.units_per_token();
     let rate = limit.rate_units_per_us();
     let given = state.unwrap_or(BucketState {
         tokens: cap,
@@ -144,42 +216,22 @@ pub fn decide_within(
     let at = now.max(last);
     tokens += (at - last).saturating_mul(rate).min(cap - tokens);
     tokens = tokens.min(ceiling);
-    let cost_units = cost.saturating_mul(unit);
+    let cost_units = cost.saturating_mul(limit.units_per_token());
     let allowed = tokens >= cost_units;
     if allowed {
         tokens -= cost_units;
     }
-    // Waiting times are computed at `at` and then measured from `now`.
-    let skew = at - now;
-    let wait = |deficit: u64| -> Duration {
-        if deficit == 0 {
-            Duration::ZERO
-        } else {
-            // Rates reduce to 1 unit/us more often than not (10/s, 100/min
-            // are 1 token per 100_000 / 600_000 units); skip the division.
-            let us = if rate == 1 {
-                deficit
-            } else {
-                deficit.div_ceil(rate)
-            };
-            Duration::from_micros(us.saturating_add(skew))
-        }
-    };
-    let decision = Decision {
+    let spent = Spent {
         allowed,
-        limit: limit.burst(),
-        // Denials (the hot path under attack) mostly hold less than a token:
-        // skip the division then.
-        remaining: if tokens < unit { 0 } else { tokens / unit },
-        retry_after: wait(cost_units.saturating_sub(tokens)),
-        reset: wait(cap - tokens),
+        tokens,
+        skew: at - now,
     };
     let state = if allowed {
         BucketState { tokens, last: at }
     } else {
         given
     };
-    (decision, state)
+    (spent, state)
 }
 
 /// [`decide_within`] on a packed state, as the in-process store keeps it:
@@ -193,12 +245,26 @@ pub fn decide_packed(
     now: Micros,
     ceiling: u64,
 ) -> Decision {
+    spend_packed(limit, state, cost, now, ceiling).decision(limit, cost)
+}
+
+/// The state change of [`decide_packed`]: what runs under the in-process
+/// store's lock.
+#[inline(always)]
+pub fn spend_packed(
+    limit: &Limit,
+    state: &mut Option<Packed>,
+    cost: u64,
+    now: Micros,
+    ceiling: u64,
+) -> Spent {
     let bucket = state.map(|p| BucketState::unpack(p, limit));
-    let (decision, next) = decide_within(limit, bucket, cost, now, ceiling);
-    if decision.allowed {
-        *state = (!decision.reset.is_zero()).then(|| next.pack(limit));
+    let (spent, next) = spend(limit, bucket, cost, now, ceiling);
+    if spent.allowed {
+        // Full again (`reset` zero) is no entry.
+        *state = (spent.tokens < limit.capacity_units()).then(|| next.pack(limit));
     }
-    decision
+    spent
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@
 
 pub mod table;
 
-pub use table::Table;
+pub use table::{Slot, Table};
 
 use super::{BoxFuture, Check, Checked, Source, Store, StoreError};
 use crate::algorithm::{self, Decision, PackedError};
@@ -35,9 +35,13 @@ impl MemoryStore {
     pub fn decide(&self, check: &Check) -> Result<Decision, StoreError> {
         let limit = &check.limit;
         algorithm::check_packable(limit, check.cost).map_err(refused)?;
-        Ok(self.table.update(check.key, check.now, |state| {
-            algorithm::decide_packed(limit, state, check.cost, check.now, check.ceiling)
-        }))
+        Ok(algorithm::decide_in(
+            self.table.slot(check.key, check.now),
+            limit,
+            check.cost,
+            check.now,
+            check.ceiling,
+        ))
     }
 
     /// The table the buckets live in, for layers that keep their own

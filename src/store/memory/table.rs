@@ -22,7 +22,7 @@
 //! (`ratelimit_memory_evictions_total{reason="pressure"}`), so an undersized
 //! `max_keys` shows on the dashboard instead of silently loosening limits.
 
-use crate::algorithm::Packed;
+use crate::algorithm::{Packed, PackedSlot};
 use crate::clock::Micros;
 use crate::key::BucketKey;
 use crate::metrics as m;
@@ -158,6 +158,17 @@ impl Table {
         result
     }
 
+    /// `key`'s entry as a slot for [`crate::algorithm::decide_in`], which
+    /// [`Table::update`]s it at `now`.
+    #[inline]
+    pub fn slot(&self, key: BucketKey, now: Micros) -> Slot<'_> {
+        Slot {
+            table: self,
+            key,
+            now,
+        }
+    }
+
     /// `key`'s entry, if any. Changes nothing.
     pub fn get(&self, key: BucketKey) -> Option<Packed> {
         let slot = SlotKey::from(key);
@@ -185,6 +196,21 @@ impl Table {
     /// The most entries this table holds at once.
     pub fn capacity(&self) -> usize {
         self.per_shard * self.shards.len()
+    }
+}
+
+/// One key's entry in a [`Table`], at an instant: see [`Table::slot`].
+#[derive(Debug, Clone, Copy)]
+pub struct Slot<'a> {
+    table: &'a Table,
+    key: BucketKey,
+    now: Micros,
+}
+
+impl PackedSlot for Slot<'_> {
+    #[inline(always)]
+    fn update<R>(self, step: impl FnOnce(&mut Option<Packed>) -> R) -> R {
+        self.table.update(self.key, self.now, step)
     }
 }
 

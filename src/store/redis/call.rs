@@ -28,15 +28,14 @@ pub(super) struct Call {
 }
 
 impl Call {
-    /// A call of `operation` (`EVALSHA`, `GET`, ...) on `key`, labelled
-    /// `script`, starting now.
+    /// A call of `operation` (`EVALSHA`, `GET`, ...) to `node` (with the
+    /// key's slot in a cluster: [`Topology::node`]), labelled `script`,
+    /// starting now.
     pub(super) fn start(
-        topology: &Topology,
-        key: &str,
+        (node, slot): (Arc<Node>, Option<u16>),
         operation: &'static str,
         script: &'static str,
     ) -> Self {
-        let (node, slot) = topology.node(key.as_bytes());
         let span = tracing::info_span!(
             target: TARGET,
             "redis",

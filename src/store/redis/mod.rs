@@ -289,7 +289,33 @@ impl RedisConnection {
 
 /// The Redis key of `key` under `algorithm`: `<prefix><tag>{<32 hex digits>}`.
 pub fn redis_key(prefix: &str, algorithm: Algorithm, key: BucketKey) -> String {
-    format!("{prefix}{}{{{key}}}", algorithm.key_tag())
+    let mut name = String::with_capacity(prefix.len() + algorithm.key_tag().len() + 34);
+    name.push_str(prefix);
+    name.push_str(algorithm.key_tag());
+    name.extend(hash_tag(key).map(char::from));
+    name
+}
+
+/// Writes [`redis_key`] into `out` (a command's next argument), with no
+/// `String` in between.
+pub fn write_redis_key(
+    out: &mut impl std::io::Write,
+    prefix: &str,
+    algorithm: Algorithm,
+    key: BucketKey,
+) -> std::io::Result<()> {
+    out.write_all(prefix.as_bytes())?;
+    out.write_all(algorithm.key_tag().as_bytes())?;
+    out.write_all(&hash_tag(key))
+}
+
+/// `{<32 hex digits>}`: the hash tag that keeps every key of a bucket in
+/// the bucket's slot.
+fn hash_tag(key: BucketKey) -> [u8; 34] {
+    let mut tag = [b'{'; 34];
+    tag[1..33].copy_from_slice(&key.hex());
+    tag[33] = b'}';
+    tag
 }
 
 #[cfg(test)]
@@ -302,6 +328,19 @@ mod tests {
         assert_eq!(key, "rl:{00000000000000000000000000000abc}");
         let key = redis_key("rl:", Algorithm::SlidingLog, BucketKey(0xabc));
         assert_eq!(key, "rl:log:{00000000000000000000000000000abc}");
+    }
+
+    #[test]
+    fn keys_written_into_a_command_are_the_keys() {
+        for (prefix, key) in [("rl:", BucketKey(0xabc)), ("", BucketKey(u128::MAX / 7))] {
+            for algorithm in Algorithm::ALL {
+                let mut written = Vec::new();
+                write_redis_key(&mut written, prefix, algorithm, key).unwrap();
+                let name = redis_key(prefix, algorithm, key);
+                assert_eq!(written, name.as_bytes());
+                assert_eq!(name, format!("{prefix}{}{{{key}}}", algorithm.key_tag()));
+            }
+        }
     }
 
     #[test]

@@ -81,7 +81,11 @@ impl NaiveStore {
         label: &'static str,
     ) -> Result<T, RedisError> {
         let mut connection = self.connection.clone();
-        let call = Call::start(self.connection.topology(), name, operation, label);
+        let call = Call::start(
+            self.connection.topology().node(name.as_bytes()),
+            operation,
+            label,
+        );
         let result = command
             .query_async(&mut connection)
             .instrument(call.span())

@@ -10,6 +10,7 @@
 //! the others, whichever keys made it hot.
 
 use super::RedisConnection;
+use crate::key::BucketKey;
 use redis::{ConnectionAddr, IntoConnectionInfo, Value};
 use std::sync::{Arc, RwLock, Weak};
 use std::time::Duration;
@@ -179,6 +180,18 @@ impl Topology {
             Topology::Standalone(node) => (Arc::clone(node), None),
             Topology::Cluster(_) => {
                 let slot = slot(key);
+                (self.owner(slot), Some(slot))
+            }
+        }
+    }
+
+    /// [`Topology::node`] of every Redis key of `bucket` (they share its
+    /// hash tag, so its slot), without the key's name at hand.
+    pub fn bucket_node(&self, bucket: BucketKey) -> (Arc<Node>, Option<u16>) {
+        match self {
+            Topology::Standalone(node) => (Arc::clone(node), None),
+            Topology::Cluster(_) => {
+                let slot = bucket.slot();
                 (self.owner(slot), Some(slot))
             }
         }

@@ -1,0 +1,187 @@
+//! The client side of one Lua check: this process's CPU per `LuaStore`
+//! check, against what the same checks cost the Redis server, in one run.
+//!
+//! The bench starts its own `redis-server` on a free 127.0.0.1 port
+//! (testkit), pinned to CPU 0; run the bench pinned elsewhere so the two do
+//! not share a core:
+//!
+//! ```sh
+//! taskset -c 1 cargo bench --bench redis_client
+//! ```
+//!
+//! Each criterion "iteration" is one check, and its time is this process's
+//! CPU time (`CLOCK_PROCESS_CPUTIME_ID`: user and system, every thread),
+//! not wall time: encoding the EVALSHA, the multiplexed connection's
+//! driver, the socket syscalls, decoding the reply, the futures. The
+//! runtime is tokio's current-thread one, so that is all one thread's work.
+//! Two depths: `1_in_flight` (each check waits for its answer: every check
+//! pays its own write and read syscalls) and `16_in_flight` (16 concurrent
+//! checks pipelined on the one connection, as under load).
+//!
+//! Redis's side over the same window (warm-up included, as for ours):
+//! `INFO commandstats` (`usec` per EVALSHA: the script's own time) and
+//! `INFO cpu` (the whole server per check, its networking included). After
+//! each bench a line prints both and the ratios ours / Redis's; the figures
+//! are in docs/redis.md.
+//!
+//! Every check is admitted (a bucket far larger than the traffic) on
+//! 10 000 keys: the script's write path, the costlier one. No metrics
+//! recorder or tracing subscriber is installed: the service's own
+//! (Prometheus histogram, span) come on top and are not measured here.
+
+use criterion::{Criterion, criterion_group};
+use nix::time::{ClockId, clock_gettime};
+use ratelimiter::algorithm::Limit;
+use ratelimiter::clock::{Clock, SystemClock};
+use ratelimiter::store::redis::{RedisConnection, RedisSettings};
+use ratelimiter::store::{BucketKey, Check, LuaStore};
+use std::cell::Cell;
+use std::time::Duration;
+use testkit::RedisServer;
+
+const KEYS: u128 = 10_000;
+
+/// This process's CPU time so far (every thread, user and system).
+fn process_cpu() -> Duration {
+    let t = clock_gettime(ClockId::CLOCK_PROCESS_CPUTIME_ID).expect("process CPU clock");
+    Duration::new(t.tv_sec() as u64, t.tv_nsec() as u32)
+}
+
+fn settings(url: &str) -> RedisSettings {
+    RedisSettings {
+        urls: vec![url.to_owned()],
+        cluster: false,
+        prefix: "bench:".to_owned(),
+        connect_timeout: Duration::from_secs(2),
+        response_timeout: Duration::from_secs(2),
+        retries: 1,
+        ttl_margin: Duration::from_secs(1),
+        topology_refresh: Duration::from_secs(1),
+        tls: Default::default(),
+    }
+}
+
+/// Redis's counters: EVALSHA calls, their own time (us), server CPU (s).
+#[derive(Debug, Clone, Copy)]
+struct ServerStats {
+    calls: f64,
+    usec: f64,
+    cpu: f64,
+}
+
+fn field(info: &str, name: &str) -> f64 {
+    info.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{name} in INFO"))
+}
+
+async fn server_stats(admin: &mut RedisConnection) -> ServerStats {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .arg("cpu")
+        .query_async(admin)
+        .await
+        .expect("INFO");
+    let line = info
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:"))
+        .unwrap_or("calls=0,usec=0");
+    let get = |key: &str| -> f64 {
+        line.split(',')
+            .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0)
+    };
+    ServerStats {
+        calls: get("calls"),
+        usec: get("usec"),
+        cpu: field(&info, "used_cpu_user") + field(&info, "used_cpu_sys"),
+    }
+}
+
+fn redis_client(c: &mut Criterion) {
+    let server = RedisServer::start_pinned(0).expect("redis-server");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let settings = settings(&server.url());
+    let connection = runtime
+        .block_on(RedisConnection::connect(&settings))
+        .expect("connect");
+    let mut admin = connection.clone();
+    let store = LuaStore::new(connection, &settings);
+    // Far more than the traffic: every check is admitted (the write path).
+    let limit = Limit::new(1_000_000_000_000, 1_000_000, Duration::from_secs(1)).expect("limit");
+    let next = Cell::new(0u128);
+    // `now` read once: reading a clock is the limiter's work, not the
+    // store's (and this bucket never empties).
+    let now = SystemClock.now();
+    let check = || {
+        let n = next.get();
+        next.set(if n + 1 == KEYS { 0 } else { n + 1 });
+        Check::new(BucketKey(n), limit, 1, now)
+    };
+    // Loads the script and checks that it answers.
+    runtime
+        .block_on(store.decide(&check()))
+        .expect("a first check");
+
+    let mut group = c.benchmark_group("lua_check_client_cpu");
+    group
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(5));
+    for depth in [1u64, 16] {
+        let name = format!("{depth}_in_flight");
+        let before = runtime.block_on(server_stats(&mut admin));
+        let (mut client, mut checks) = (Duration::ZERO, 0u64);
+        group.bench_function(&name, |b| {
+            b.iter_custom(|iters| {
+                let start = process_cpu();
+                runtime.block_on(async {
+                    let mut left = iters;
+                    while left > 0 {
+                        let now = left.min(depth);
+                        let batch = (0..now).map(|_| {
+                            let check = check();
+                            let store = &store;
+                            async move { store.decide(&check).await }
+                        });
+                        for result in futures_util::future::join_all(batch).await {
+                            result.expect("check");
+                        }
+                        left -= now;
+                    }
+                });
+                let spent = process_cpu() - start;
+                client += spent;
+                checks += iters;
+                spent
+            })
+        });
+        let after = runtime.block_on(server_stats(&mut admin));
+        // Our INFO calls are not EVALSHAs; their server CPU is negligible
+        // beside hundreds of thousands of checks.
+        let calls = after.calls - before.calls;
+        let script_us = (after.usec - before.usec) / calls;
+        let server_us = (after.cpu - before.cpu) * 1e6 / calls;
+        let client_us = client.as_secs_f64() * 1e6 / checks as f64;
+        println!(
+            "{name}: {checks} checks; client CPU {client_us:.2} us/check; Redis EVALSHA \
+             {script_us:.2} us/call (commandstats), server CPU {server_us:.2} us/check \
+             (INFO cpu); client/script {:.2}, client/server CPU {:.2}",
+            client_us / script_us,
+            client_us / server_us,
+        );
+    }
+    group.finish();
+    drop(server);
+}
+
+criterion_group!(benches, redis_client);
+
+fn main() {
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}
