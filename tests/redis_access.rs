@@ -292,7 +292,11 @@ async fn redis_out_of_memory_is_oom() {
         assert_eq!(err.kind(), "oom", "{algorithm:?}: {err}");
     }
     // The sliding log, as the runbook says, goes on past the limit.
-    assert!(check(&store, Algorithm::SlidingLog, 1, 1, T0).await.unwrap());
+    assert!(
+        check(&store, Algorithm::SlidingLog, 1, 1, T0)
+            .await
+            .unwrap()
+    );
     store.ready().await.unwrap();
 }
 
