@@ -544,3 +544,49 @@ async fn the_native_stack_runs_the_compose_topology_end_to_end() {
         "memory admitted {memory}, lua {lua}"
     );
 }
+
+/// `scripts/stack down` stops only what `up` started: a pid file names a
+/// process by its pid *and* its start time, so a pid now held by another
+/// process (reused after a reboot) is left alone, while the recorded
+/// process itself is stopped.
+#[test]
+fn stack_down_never_kills_a_process_that_reused_a_recorded_pid() {
+    let dir = TempDir::new("stack-pid").unwrap();
+    std::fs::create_dir_all(dir.0.join("run")).unwrap();
+    let start_time = |pid: u32| -> String {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        // Field 22, counted after the command name's closing parenthesis.
+        let after = &stat[stat.rfind(')').unwrap() + 2..];
+        after.split(' ').nth(19).unwrap().to_owned()
+    };
+    let mut stranger = Command::new("sleep").arg("60").spawn().unwrap();
+    let mut ours = Command::new("sleep").arg("60").spawn().unwrap();
+    let started = start_time(stranger.id());
+    // The stranger holds a recorded pid, but started at another time.
+    let wrong: u64 = started.parse::<u64>().unwrap() + 1;
+    std::fs::write(
+        dir.0.join("run/nginx.pid"),
+        format!("{} {wrong}\n", stranger.id()),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.0.join("run/prometheus.pid"),
+        format!("{} {}\n", ours.id(), start_time(ours.id())),
+    )
+    .unwrap();
+    let (ok, out) = run(Command::new(repo("scripts/stack"))
+        .arg("down")
+        .env("STACK_DIR", &dir.0));
+    assert!(ok, "{out}");
+    let ours_exit = ours.wait().unwrap();
+    assert!(!ours_exit.success(), "the recorded process was stopped");
+    // Our child: a killed one would be reaped here (a zombie still
+    // answers `kill -0`).
+    assert!(
+        stranger.try_wait().unwrap().is_none(),
+        "a process that reused a pid was killed:\n{out}"
+    );
+    assert!(!dir.0.join("run/nginx.pid").exists());
+    stranger.kill().unwrap();
+    stranger.wait().unwrap();
+}
