@@ -61,17 +61,23 @@ fn serves_from_env_and_flags_and_stops_cleanly_on_sigterm() {
     let (statuses, _) = get_n(port, "/api/items", 101);
     assert_eq!(statuses, [vec![200; 100], vec![429]].concat());
 
+    stops_cleanly_on(&mut proc, nix::sys::signal::Signal::SIGTERM);
+}
+
+/// Sends `signal` to the instance (its stderr piped): it exits with
+/// success within 10 s, saying why.
+fn stops_cleanly_on(proc: &mut ChildGuard, signal: nix::sys::signal::Signal) {
     let pid = nix::unistd::Pid::from_raw(i32::try_from(proc.0.id()).unwrap());
-    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    nix::sys::signal::kill(pid, signal).unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     let exit = loop {
         if let Some(exit) = proc.0.try_wait().unwrap() {
             break exit;
         }
-        assert!(Instant::now() < deadline, "no exit 10 s after SIGTERM");
+        assert!(Instant::now() < deadline, "no exit 10 s after {signal}");
         std::thread::sleep(Duration::from_millis(20));
     };
-    assert!(exit.success(), "exit after SIGTERM: {exit:?}");
+    assert!(exit.success(), "exit after {signal}: {exit:?}");
     let mut stderr = String::new();
     proc.0
         .stderr
@@ -94,25 +100,7 @@ fn stops_cleanly_on_sigint_as_on_ctrl_c() {
         .unwrap();
     let mut proc = ChildGuard(child);
     wait_for_port(port, "ratelimiter").unwrap();
-    let pid = nix::unistd::Pid::from_raw(i32::try_from(proc.0.id()).unwrap());
-    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let exit = loop {
-        if let Some(exit) = proc.0.try_wait().unwrap() {
-            break exit;
-        }
-        assert!(Instant::now() < deadline, "no exit 10 s after SIGINT");
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    assert!(exit.success(), "exit after SIGINT: {exit:?}");
-    let mut stderr = String::new();
-    proc.0
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut stderr)
-        .unwrap();
-    assert!(stderr.contains("shutdown signal received"), "{stderr}");
+    stops_cleanly_on(&mut proc, nix::sys::signal::Signal::SIGINT);
 }
 
 /// Redis URLs may carry a password and the key secret is one: `--help`
