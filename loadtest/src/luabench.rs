@@ -175,38 +175,21 @@ async fn ours(url: &str, args: &LuaBenchArgs) -> anyhow::Result<Side> {
     store
         .decide(&Check::new(BucketKey(0), limit, 1, NOW))
         .await?;
-    let cpu_before = begin(&mut admin).await?;
-    let next = Arc::new(AtomicU64::new(0));
-    let started = Instant::now();
-    let mut tasks = Vec::new();
-    for _ in 0..args.depth {
-        let (store, next, checks, keys) = (
-            Arc::clone(&store),
-            Arc::clone(&next),
-            args.checks,
-            args.keys,
-        );
-        tasks.push(tokio::spawn(async move {
-            loop {
-                let n = next.fetch_add(1, Ordering::Relaxed);
-                if n >= checks {
-                    return anyhow::Ok(());
-                }
-                let d = store
-                    .decide(&Check::new(BucketKey(u128::from(n % keys)), limit, 1, NOW))
-                    .await?;
-                if !d.allowed {
-                    bail!("a check was denied: the bench measures the write path");
-                }
+    let keys = args.keys;
+    let check: CheckFn = Arc::new(move |n| {
+        let store = Arc::clone(&store);
+        Box::pin(async move {
+            let d = store
+                .decide(&Check::new(BucketKey(u128::from(n % keys)), limit, 1, NOW))
+                .await?;
+            if !d.allowed {
+                bail!("a check was denied: the bench measures the write path");
             }
-        }));
-    }
-    for t in tasks {
-        t.await??;
-    }
-    let per_second = args.checks as f64 / started.elapsed().as_secs_f64();
+            Ok(true)
+        })
+    });
     let name = "our client (LuaStore, redis-rs multiplexed), token_bucket.lua";
-    finish(&mut admin, name, per_second, Some(0), cpu_before).await
+    drive(&mut admin, args, name, check).await
 }
 
 /// The same token bucket as `token_bucket.lua` (the same arguments and
