@@ -10,31 +10,28 @@
 //! | `GET /readyz` | readiness: `ready`, or `degraded` while Redis is away or the failure mode decided 5 % or more of the last 10 s of checks, with that share (503 only if the failure mode is `closed`: otherwise the instance still serves, by its local share or open, and pulling every instance out of the balancer would turn a Redis blip into an outage) | never |
 //! | `GET /metrics` | Prometheus text | never |
 //!
-//! Policies match route *templates* (`MatchedPath`), so `/api/items/7` and
-//! `/api/items/8` share the policy and the metric label `/api/items/{id}`.
+//! Policies match route *templates* (matched by
+//! [`RouteTable`](crate::middleware::RouteTable)'s table, as the router
+//! matches them), so `/api/items/7` and `/api/items/8` share the policy and
+//! the metric label `/api/items/{id}`.
 
 use crate::config::HttpConfig;
 use crate::failover::{BreakerHandle, BreakerState, DEGRADED_SHARE, RecentShare};
 use crate::headers::Problem;
 use crate::limiter::CurrentLimiter;
 use crate::metrics as m;
-use crate::middleware::RateLimitLayer;
+use crate::middleware::{Front, RouteTable};
 use crate::store::{FailureMode, Store};
-use crate::telemetry;
+use axum::Json;
 use axum::extract::rejection::{JsonRejection, PathRejection};
-use axum::extract::{DefaultBodyLimit, Path, Request, State};
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use tower::ServiceBuilder;
-
-/// `X-Instance-Id`: which instance answered (handy behind a balancer).
-pub const INSTANCE_ID_HEADER: &str = "x-instance-id";
 
 /// What `/readyz` asks: the store stack (can it decide right now?), its
 /// breaker if it has one, and the failure mode in force by default.
@@ -222,162 +219,6 @@ async fn no_route(uri: axum::http::Uri) -> Response {
     )
 }
 
-/// Bare error responses from below the handlers, given problem+json
-/// bodies: axum's 405 (its headers, `Allow` and the RateLimit fields,
-/// kept; answered inside the route, so the limiter still decides first:
-/// a flood of wrong methods is limited like any other request), and
-/// tower-http's 408 when `http.request_timeout` passed (with `Connection:
-/// close`: the rest of a stalled body is never read, so the connection
-/// cannot carry another request).
-async fn problem_for_bare_errors(response: Response) -> Response {
-    // Every response passes here: the status first, the header only for
-    // the two statuses.
-    let status = response.status();
-    if !matches!(
-        status,
-        StatusCode::METHOD_NOT_ALLOWED | StatusCode::REQUEST_TIMEOUT
-    ) || response
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"application/problem+json"))
-    {
-        return response;
-    }
-    let (parts, _) = response.into_parts();
-    let mut answer = if status == StatusCode::REQUEST_TIMEOUT {
-        let mut answer = problem(
-            status,
-            "request-timeout",
-            "Request Timeout",
-            "the request was not received and answered in time".into(),
-        );
-        answer
-            .headers_mut()
-            .insert(header::CONNECTION, HeaderValue::from_static("close"));
-        answer
-    } else {
-        problem(
-            status,
-            "method-not-allowed",
-            "Method Not Allowed",
-            "this route does not take that method; see Allow".into(),
-        )
-    };
-    for (name, value) in &parts.headers {
-        if name != header::CONTENT_TYPE && name != header::CONTENT_LENGTH {
-            answer.headers_mut().append(name, value.clone());
-        }
-    }
-    // The route template among them: the telemetry layer labels by it.
-    *answer.extensions_mut() = parts.extensions;
-    answer
-}
-
-/// 413 at once for a request whose declared `Content-Length` is over
-/// `http.body_limit`, before a byte of its body is read (axum's own limit
-/// reads up to the limit first, and a client declaring 10 GB and sending
-/// nothing would be waited for). Before the limiter (a route layer outside
-/// it): a body that cannot be taken costs no token and no Redis call. A body without a length
-/// (chunked) is cut at the limit by `DefaultBodyLimit` as it is read.
-fn refuse_declared_too_large(limit: usize, request: &Request) -> Option<Response> {
-    let declared = request
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    let length = declared.filter(|&n| n > limit as u64)?;
-    let mut answer = problem(
-        StatusCode::PAYLOAD_TOO_LARGE,
-        "too-large",
-        "Content Too Large",
-        format!("the body declares {length} bytes; at most {limit} are taken"),
-    );
-    // The body is never read: the connection cannot carry another
-    // request.
-    answer
-        .headers_mut()
-        .insert(header::CONNECTION, HeaderValue::from_static("close"));
-    Some(answer)
-}
-
-type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>;
-
-/// The layers of `app` written as tower services rather than
-/// `axum::middleware::{from_fn, map_response}_with_state`: those clone the
-/// state (`AppState`) and the inner stack, boxing it as a `Next`, on every
-/// request; a profile of the limited route showed the nested `clone_box`
-/// calls and `drop_in_place<AppState>`. Each of these decides before the
-/// call or after it, so the inner service is called at once, as it stands
-/// ready, and only what it needs is kept: a number, a header value.
-#[derive(Debug, Clone)]
-enum Step {
-    /// [`refuse_declared_too_large`], at this body limit.
-    RefuseTooLarge(usize),
-    /// [`problem_for_bare_errors`], then `X-Instance-Id` (none for an id
-    /// that is no header value).
-    Finish(Option<HeaderValue>),
-}
-
-#[derive(Debug, Clone)]
-struct StepLayer(Step);
-
-impl<S> tower::Layer<S> for StepLayer {
-    type Service = StepService<S>;
-
-    fn layer(&self, inner: S) -> Self::Service {
-        StepService {
-            inner,
-            step: self.0.clone(),
-        }
-    }
-}
-
-#[derive(Debug, Clone)]
-struct StepService<S> {
-    inner: S,
-    step: Step,
-}
-
-impl<S> tower::Service<Request> for StepService<S>
-where
-    S: tower::Service<Request, Response = Response>,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-{
-    type Response = Response;
-    type Error = S::Error;
-    type Future = BoxFuture<Result<Response, S::Error>>;
-
-    fn poll_ready(
-        &mut self,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, request: Request) -> Self::Future {
-        match &self.step {
-            Step::RefuseTooLarge(limit) => {
-                if let Some(answer) = refuse_declared_too_large(*limit, &request) {
-                    return Box::pin(std::future::ready(Ok(answer)));
-                }
-                Box::pin(self.inner.call(request))
-            }
-            Step::Finish(instance_id) => {
-                let instance_id = instance_id.clone();
-                let response = self.inner.call(request);
-                Box::pin(async move {
-                    let mut response = problem_for_bare_errors(response.await?).await;
-                    if let Some(id) = instance_id {
-                        response.headers_mut().insert(INSTANCE_ID_HEADER, id);
-                    }
-                    Ok(response)
-                })
-            }
-        }
-    }
-}
-
 async fn healthz() -> &'static str {
     "ok\n"
 }
@@ -475,54 +316,26 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
 
 /// The whole service: the sample API behind the limiter, plus operations
 /// endpoints that are never limited (a throttled health check would take a
-/// healthy instance out of its balancer).
-pub fn app(state: AppState) -> Router {
-    let instance_id = HeaderValue::from_str(&state.instance_id).ok();
-    let api = Router::new()
-        .route("/api/items", get(list_items))
-        .route("/api/items/{id}", get(get_item))
-        .route("/api/orders", post(create_order))
-        .route("/api/status", get(status))
-        // route_layer: only matched routes are limited, and `MatchedPath`
-        // (the template) is known when the limiter runs.
-        .route_layer(RateLimitLayer::new(Arc::clone(&state.limiter)));
-    Router::new()
-        .merge(api)
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
-        .fallback(no_route)
-        // Each `route_layer` and `layer` call wraps every route in another
-        // boxed `Route`, and axum clones a route's whole nest of them on
-        // every request (the profile's nested `clone_box`): the layers are
-        // stacked first, outermost first, and applied once each way.
-        .route_layer(
-            ServiceBuilder::new()
-                // Outside the limiter: every matched route's template
-                // reaches the telemetry layer, 429s, 408s and 413s included.
-                .layer(telemetry::http::MarkRouteLayer)
-                // The whole request once its headers are in, its body
-                // included: a stalled body is answered 408 (the connection
-                // then closes). Only routes read bodies; the fallback
-                // answers at once.
-                .layer(tower_http::timeout::TimeoutLayer::with_status_code(
-                    StatusCode::REQUEST_TIMEOUT,
-                    state.http.request_timeout,
-                ))
-                // Outside the limiter, inside the route's telemetry: a body
-                // that cannot be taken costs no check, and its 413 is
-                // labelled by route.
-                .layer(StepLayer(Step::RefuseTooLarge(state.http.body_limit))),
+/// healthy instance out of its balancer), with [`Front`] in front.
+pub fn app(state: AppState) -> Front {
+    let (router, routes) = RouteTable::default()
+        .limited("/api/items", get(list_items))
+        .limited("/api/items/{id}", get(get_item))
+        // The one route that reads a body: streamed (chunked) bodies are
+        // cut at the limit as they are read. Declared lengths are refused
+        // before the limiter, by `Front`.
+        .limited(
+            "/api/orders",
+            post(create_order).layer(DefaultBodyLimit::max(state.http.body_limit)),
         )
-        .layer(
-            ServiceBuilder::new()
-                // Outermost: times and counts every response, 404s included.
-                .layer(telemetry::http::HttpLayer)
-                // Bare errors given problem+json bodies, then every response
-                // named by this instance.
-                .layer(StepLayer(Step::Finish(instance_id)))
-                // Streamed bodies are cut at the limit as they are read.
-                .layer(DefaultBodyLimit::max(state.http.body_limit)),
-        )
-        .with_state(state)
+        .limited("/api/status", get(status))
+        .unlimited("/healthz", get(healthz))
+        .unlimited("/readyz", get(readyz))
+        .unlimited("/metrics", get(metrics))
+        .finish();
+    let limiter = Arc::clone(&state.limiter);
+    let http = state.http.clone();
+    let instance_id = Arc::clone(&state.instance_id);
+    let router = router.fallback(no_route).with_state(state);
+    Front::new(router, routes, limiter, &http, &instance_id)
 }

@@ -45,70 +45,94 @@ pub fn retry_after_secs(decision: &Decision) -> u64 {
 /// `limit`, including `Retry-After` when the request was denied. `policy`
 /// must be a valid structured-field string body (config validation ensures
 /// names are `[A-Za-z0-9_.-]`).
+pub fn rate_limit_headers(policy: &str, limit: &Limit, decision: &Decision) -> HeaderMap {
+    let mut h = HeaderMap::with_capacity(6);
+    RateLimitFields::new(policy, limit, decision).write_to(&mut h);
+    h
+}
+
+/// The rate-limit header values of one decision, ready to go into a
+/// response's own headers ([`RateLimitFields::write_to`]): an admitted
+/// request's fields go straight onto the API's answer, with no header map
+/// of their own to build, hash and merge.
 ///
 /// Every value is written into one buffer, digits by `itoa`, and each
 /// header value is a slice of it: one allocation for the five or six
 /// values. (A profile of the limited route showed a `String` per
 /// `format!`, a `Bytes` per value and the `fmt` machinery under them.)
-pub fn rate_limit_headers(policy: &str, limit: &Limit, decision: &Decision) -> HeaderMap {
-    let mut buf = BytesMut::with_capacity(128 + 2 * policy.len());
-    let mut digits = itoa::Buffer::new();
-    let mut num = |buf: &mut BytesMut, n: u64| buf.extend_from_slice(digits.format(n).as_bytes());
-    let mut ends = [0usize; 6];
-    num(&mut buf, decision.limit);
-    ends[0] = buf.len();
-    num(&mut buf, decision.remaining);
-    ends[1] = buf.len();
-    num(&mut buf, ceil_secs(decision.reset));
-    ends[2] = buf.len();
-    // `"<policy>";q=<burst>;w=<seconds to refill>`
-    buf.extend_from_slice(b"\"");
-    buf.extend_from_slice(policy.as_bytes());
-    buf.extend_from_slice(b"\";q=");
-    num(&mut buf, limit.burst());
-    buf.extend_from_slice(b";w=");
-    num(&mut buf, ceil_secs(limit.refill_time()));
-    ends[3] = buf.len();
-    // `"<policy>";r=<remaining>;t=<seconds until admitted>`
-    buf.extend_from_slice(b"\"");
-    buf.extend_from_slice(policy.as_bytes());
-    buf.extend_from_slice(b"\";r=");
-    num(&mut buf, decision.remaining);
-    buf.extend_from_slice(b";t=");
-    num(&mut buf, ceil_secs(decision.retry_after));
-    ends[4] = buf.len();
-    if !decision.allowed {
-        num(&mut buf, retry_after_secs(decision));
-    }
-    ends[5] = buf.len();
-    let bytes = buf.freeze();
-    let value = |i: usize| {
-        let start = if i == 0 { 0 } else { ends[i - 1] };
-        HeaderValue::from_maybe_shared(bytes.slice(start..ends[i]))
-    };
-    let mut h = HeaderMap::with_capacity(6);
-    // Digits always make a header value; the two structured fields do for
-    // a validated name.
-    for (i, name) in [
+#[derive(Debug, Clone, Default)]
+pub struct RateLimitFields {
+    /// By [`RateLimitFields::NAMES`]; `None` for a value that is no
+    /// header value, and `Retry-After` for an admitted request.
+    values: [Option<HeaderValue>; 6],
+}
+
+impl RateLimitFields {
+    /// The header of each value, in order.
+    const NAMES: [HeaderName; 6] = [
         RATELIMIT_LIMIT,
         RATELIMIT_REMAINING,
         RATELIMIT_RESET,
         RATELIMIT_POLICY,
         RATELIMIT,
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        if let Ok(v) = value(i) {
-            h.insert(name, v);
+        header::RETRY_AFTER,
+    ];
+
+    /// The fields of `decision`; see [`rate_limit_headers`].
+    pub fn new(policy: &str, limit: &Limit, decision: &Decision) -> Self {
+        let mut buf = BytesMut::with_capacity(128 + 2 * policy.len());
+        let mut digits = itoa::Buffer::new();
+        let mut num =
+            |buf: &mut BytesMut, n: u64| buf.extend_from_slice(digits.format(n).as_bytes());
+        let mut ends = [0usize; 6];
+        num(&mut buf, decision.limit);
+        ends[0] = buf.len();
+        num(&mut buf, decision.remaining);
+        ends[1] = buf.len();
+        num(&mut buf, ceil_secs(decision.reset));
+        ends[2] = buf.len();
+        // `"<policy>";q=<burst>;w=<seconds to refill>`
+        buf.extend_from_slice(b"\"");
+        buf.extend_from_slice(policy.as_bytes());
+        buf.extend_from_slice(b"\";q=");
+        num(&mut buf, limit.burst());
+        buf.extend_from_slice(b";w=");
+        num(&mut buf, ceil_secs(limit.refill_time()));
+        ends[3] = buf.len();
+        // `"<policy>";r=<remaining>;t=<seconds until admitted>`
+        buf.extend_from_slice(b"\"");
+        buf.extend_from_slice(policy.as_bytes());
+        buf.extend_from_slice(b"\";r=");
+        num(&mut buf, decision.remaining);
+        buf.extend_from_slice(b";t=");
+        num(&mut buf, ceil_secs(decision.retry_after));
+        ends[4] = buf.len();
+        if !decision.allowed {
+            num(&mut buf, retry_after_secs(decision));
+        }
+        ends[5] = buf.len();
+        let bytes = buf.freeze();
+        // Digits always make a header value; the two structured fields do
+        // for a validated name.
+        let values = std::array::from_fn(|i| {
+            let start = if i == 0 { 0 } else { ends[i - 1] };
+            if i == 5 && decision.allowed {
+                return None;
+            }
+            HeaderValue::from_maybe_shared(bytes.slice(start..ends[i])).ok()
+        });
+        Self { values }
+    }
+
+    /// Sets these fields in `headers` (replacing any the API set).
+    pub fn write_to(self, headers: &mut HeaderMap) {
+        headers.reserve(self.values.iter().flatten().count());
+        for (name, value) in Self::NAMES.into_iter().zip(self.values) {
+            if let Some(value) = value {
+                headers.insert(name, value);
+            }
         }
     }
-    if !decision.allowed
-        && let Ok(v) = value(5)
-    {
-        h.insert(http::header::RETRY_AFTER, v);
-    }
-    h
 }
 
 /// An RFC 9457 problem document (`application/problem+json`).

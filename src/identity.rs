@@ -185,7 +185,7 @@ impl Identifier {
     /// and is not.
     pub fn ignores_forwarding(&self, headers: &HeaderMap, peer: Option<IpAddr>) -> bool {
         peer.is_some_and(|peer| !self.is_trusted(peer.to_canonical()))
-            && headers.contains_key("x-forwarded-for")
+            && headers.contains_key(X_FORWARDED_FOR)
     }
 
     fn is_trusted(&self, ip: IpAddr) -> bool {
@@ -240,10 +240,16 @@ pub fn valid_key(value: &[u8]) -> Result<&str, IdentityError> {
     std::str::from_utf8(value).map_err(|_| IdentityError::ApiKeyInvalid)
 }
 
+/// `X-Api-Key`. Names as constants: a `&str` name is parsed on every
+/// lookup.
+const X_API_KEY: http::HeaderName = http::HeaderName::from_static("x-api-key");
+/// `X-Forwarded-For`.
+const X_FORWARDED_FOR: http::HeaderName = http::HeaderName::from_static("x-forwarded-for");
+
 /// The API key a request presents, if any, validated but not verified.
 pub fn api_key(headers: &HeaderMap) -> Result<Option<&str>, IdentityError> {
     let mut found: Option<&str> = None;
-    for value in headers.get_all("x-api-key") {
+    for value in headers.get_all(X_API_KEY) {
         let key = valid_key(value.as_bytes())?;
         merge(&mut found, key)?;
     }
@@ -273,7 +279,7 @@ fn merge<'a>(found: &mut Option<&'a str>, key: &'a str) -> Result<(), IdentityEr
 fn forwarded_for(headers: &HeaderMap) -> Result<Vec<IpAddr>, IdentityError> {
     let mut total = 0;
     let mut hops = Vec::new();
-    for value in headers.get_all("x-forwarded-for") {
+    for value in headers.get_all(X_FORWARDED_FOR) {
         total += value.len();
         if total > MAX_FORWARDED_FOR_LEN {
             return Err(IdentityError::ForwardedForTooLong);

@@ -174,17 +174,21 @@ pub const SECONDS_BUCKETS: &[f64] = &[
 /// route showed that lookup (`Registry::get_or_create_*`, `Key::eq`), the
 /// route label's `String` and the allocations under them. Here the label
 /// values are the map key: `&'static str`s, a policy's `Arc<str>`, a
-/// status code; a route template is looked up by `&str`. A series still
-/// appears only once used, as before.
+/// status code. A series still appears only once used, as before.
+///
+/// Hashed with FxHash rather than SipHash: the keys are our own label
+/// values (names from the config, constants, status codes), never a
+/// client's bytes, so there is no flooding to resist, and SipHash was most
+/// of the cost of the three lookups a limited request makes (callgrind).
 #[derive(Debug)]
 pub struct Handles<K, H> {
-    map: RwLock<HashMap<K, H>>,
+    map: RwLock<HashMap<K, H, rustc_hash::FxBuildHasher>>,
 }
 
 impl<K, H> Default for Handles<K, H> {
     fn default() -> Self {
         Self {
-            map: RwLock::new(HashMap::new()),
+            map: RwLock::new(HashMap::default()),
         }
     }
 }

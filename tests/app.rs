@@ -8,6 +8,7 @@ use ratelimiter::algorithm::CostExceedsBurst;
 use ratelimiter::api::app;
 use ratelimiter::clock::ManualClock;
 use ratelimiter::config::Config;
+use ratelimiter::middleware::Front;
 use ratelimiter::server::{in_process_stack, shared_stack, state_with_stack};
 use ratelimiter::store::{BoxFuture, Check, Checked, MemoryStore, Store, StoreError};
 use std::net::SocketAddr;
@@ -16,7 +17,7 @@ use tower::ServiceExt;
 
 const T0: u64 = 1_800_000_000_000_000;
 
-fn example_app() -> axum::Router {
+fn example_app() -> Front {
     let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/example.toml"))
         .unwrap();
     let config = Config::from_toml(&text).unwrap();
@@ -45,7 +46,7 @@ fn request(method: &str, uri: &str, headers: &[(&str, &str)], body: Option<&str>
     r
 }
 
-async fn send(app: &axum::Router, req: Request<Body>) -> (StatusCode, http::HeaderMap, String) {
+async fn send(app: &Front, req: Request<Body>) -> (StatusCode, http::HeaderMap, String) {
     let r = app.clone().oneshot(req).await.unwrap();
     let (parts, body) = r.into_parts();
     let bytes = body.collect().await.unwrap().to_bytes();
@@ -295,7 +296,7 @@ impl Store for BrokenStore {
 
 /// The app with the stack `server.rs` builds around a shared store, on a
 /// broken one.
-fn broken_app(toml: &str, config_error: bool) -> axum::Router {
+fn broken_app(toml: &str, config_error: bool) -> Front {
     let config = Config::from_toml(toml).unwrap();
     let stack = shared_stack(BrokenStore { config_error }, &config);
     app(state_with_stack(
@@ -499,4 +500,35 @@ async fn every_error_is_problem_json() {
     let (_, _, metrics) = send(&app, request("GET", "/metrics", &[], None)).await;
     let line = r#"http_server_request_duration_seconds_count{http_request_method="DELETE",http_route="/api/items",http_response_status_code="405"}"#;
     assert!(metrics.contains(line), "{line} missing");
+}
+
+/// A body without a declared length (chunked) is cut at `http.body_limit`
+/// as it is read: 413 problem+json, and no order is placed.
+#[tokio::test]
+async fn a_streamed_body_over_the_limit_is_cut_as_it_is_read() {
+    let config = Config::from_toml("[http]\nbody_limit = 64\n").unwrap();
+    let app = app(state_with_stack(
+        &config,
+        in_process_stack(MemoryStore::new(1000, 4)),
+        Arc::new(ManualClock::new(T0)),
+    ));
+    let order = |padding: usize| {
+        let json = format!("{{\"item_id\": 1, \"quantity\": 2{}}}", " ".repeat(padding));
+        let chunks = json
+            .into_bytes()
+            .chunks(16)
+            .map(|c| Ok::<_, std::io::Error>(bytes::Bytes::copy_from_slice(c)))
+            .collect::<Vec<_>>();
+        let mut r = request("POST", "/api/orders", &[], None);
+        r.headers_mut()
+            .insert("content-type", "application/json".parse().unwrap());
+        *r.body_mut() = Body::from_stream(futures_util::stream::iter(chunks));
+        r
+    };
+    let (status, _, body) = send(&app, order(100)).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{body}");
+    assert!(body.contains("/problems/too-large"), "{body}");
+    let (status, _, body) = send(&app, order(0)).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    assert!(body.contains("\"order_id\":1"), "{body}");
 }

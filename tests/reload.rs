@@ -12,6 +12,7 @@ use http_body_util::BodyExt;
 use ratelimiter::api::{AppState, app};
 use ratelimiter::clock::{Clock, ManualClock};
 use ratelimiter::config::{Cli, Config};
+use ratelimiter::middleware::Front;
 use ratelimiter::server::{ReloadError, Reloader, in_process_stack, state_with_stack};
 use ratelimiter::store::MemoryStore;
 use std::io::Read;
@@ -36,7 +37,7 @@ fn config_text(trusted: &str, burst: &str) -> String {
 
 /// The remaining tokens a GET from `peer` (with `X-Forwarded-For` if
 /// given) is told, or its status if refused.
-async fn remaining(app: &axum::Router, peer: &str, forwarded: Option<&str>) -> Result<u64, u16> {
+async fn remaining(app: &Front, peer: &str, forwarded: Option<&str>) -> Result<u64, u16> {
     let mut request = Request::get("/api/items");
     if let Some(f) = forwarded {
         request = request.header("x-forwarded-for", f);

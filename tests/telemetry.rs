@@ -11,6 +11,7 @@ use http_body_util::BodyExt;
 use ratelimiter::api::app;
 use ratelimiter::clock::ManualClock;
 use ratelimiter::config::Config;
+use ratelimiter::middleware::Front;
 use ratelimiter::server::{in_process_stack, state_with_stack};
 use ratelimiter::store::MemoryStore;
 use std::net::SocketAddr;
@@ -21,7 +22,7 @@ use tower::ServiceExt;
 const T0: u64 = 1_800_000_000_000_000;
 
 async fn send(
-    app: &axum::Router,
+    app: &Front,
     method: &str,
     uri: &str,
     headers: &[(&str, &str)],

@@ -12,7 +12,7 @@
 //! | the store refused the request itself | 500 problem+json; nothing admitted |
 //! | any of these under a policy in shadow mode | the API's response, without headers |
 
-use crate::headers::{Problem, ceil_secs, rate_limit_headers};
+use crate::headers::{Problem, RateLimitFields, ceil_secs};
 use crate::identity::{IdentityError, KeyKind};
 use crate::limiter::Outcome;
 use axum::response::{IntoResponse, Response};
@@ -21,8 +21,9 @@ use http::{HeaderMap, HeaderValue, header};
 /// What the middleware does with a request.
 #[derive(Debug)]
 pub enum Verdict {
-    /// Call the API, then add these headers to its response.
-    Pass(HeaderMap),
+    /// Call the API, then set these fields on its response (none for an
+    /// unlimited route, a policy in shadow mode or a request failed open).
+    Pass(RateLimitFields),
     /// Answer in the API's place.
     Answer(Response),
 }
@@ -48,13 +49,13 @@ fn identity_problem(error: &IdentityError) -> Problem {
 impl From<Outcome> for Verdict {
     fn from(outcome: Outcome) -> Self {
         match outcome {
-            Outcome::Unlimited => Verdict::Pass(HeaderMap::new()),
+            Outcome::Unlimited => Verdict::Pass(RateLimitFields::default()),
             // Shadow mode: counted, never refused, and no headers, which
             // would tell the client of a limit that is not enforced.
-            Outcome::Shadow { .. } => Verdict::Pass(HeaderMap::new()),
+            Outcome::Shadow { .. } => Verdict::Pass(RateLimitFields::default()),
             // Fail open: admitted, and no RateLimit headers, since no bucket
             // was counted and any numbers would be made up.
-            Outcome::FailedOpen { .. } => Verdict::Pass(HeaderMap::new()),
+            Outcome::FailedOpen { .. } => Verdict::Pass(RateLimitFields::default()),
             Outcome::BadIdentity(error) => answer(identity_problem(&error), HeaderMap::new()),
             Outcome::StoreFailed { policy, error } => {
                 // The store refused the request itself: a configuration
@@ -95,21 +96,28 @@ impl From<Outcome> for Verdict {
                 kind,
                 ..
             } => {
-                let mut headers = rate_limit_headers(&policy.name, &limit, &decision);
+                let fields = RateLimitFields::new(&policy.name, &limit, &decision);
                 if !decision.allowed {
-                    return answer(Problem::rate_limited(&policy.name, &decision), headers);
+                    let mut response =
+                        Problem::rate_limited(&policy.name, &decision).into_response();
+                    fields.write_to(response.headers_mut());
+                    return Verdict::Answer(response);
                 }
                 if kind == KeyKind::UnknownApiKey {
-                    headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-                    let problem = Problem::new(
+                    let mut response = Problem::new(
                         "unknown-api-key",
                         "Unauthorized",
                         401,
                         "the API key is not recognised",
-                    );
-                    return answer(problem, headers);
+                    )
+                    .into_response();
+                    fields.write_to(response.headers_mut());
+                    response
+                        .headers_mut()
+                        .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+                    return Verdict::Answer(response);
                 }
-                Verdict::Pass(headers)
+                Verdict::Pass(fields)
             }
         }
     }

@@ -34,18 +34,19 @@
 use crate::config::HttpConfig;
 use crate::limiter::CurrentLimiter;
 use crate::metrics as m;
-use axum::Router;
+use crate::middleware::Front;
+use axum::body::Body;
 use axum::extract::ConnectInfo;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use std::collections::HashMap;
+use std::convert::Infallible;
 use std::future::Future;
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use tokio::net::TcpListener;
-use tower::Service;
 
 /// Why a connection was refused: the `reason` label of
 /// `http_server_connections_refused_total`.
@@ -188,13 +189,13 @@ fn is_connection_error(e: &std::io::Error) -> bool {
     )
 }
 
-/// Accepts connections on `listener` and serves `router` on each, within
+/// Accepts connections on `listener` and serves `front` on each, within
 /// `settings`, until `shutdown` completes; then stops accepting, closes
 /// idle connections and waits for requests in flight. Trusted proxies
 /// (the limiter's, as reloaded) are exempt from the per-address cap.
 pub async fn serve_connections(
     listener: TcpListener,
-    router: Router,
+    front: Front,
     limiter: Arc<CurrentLimiter>,
     settings: &HttpConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
@@ -243,12 +244,14 @@ pub async fn serve_connections(
         };
         // Responses are written whole; Nagle would only delay them.
         let _ = stream.set_nodelay(true);
-        let router = router.clone();
+        let front = front.clone();
         let service = hyper::service::service_fn(move |mut request: http::Request<Incoming>| {
             // What axum's `into_make_service_with_connect_info` adds: the
             // identity of an anonymous client is its peer address.
             request.extensions_mut().insert(ConnectInfo(peer));
-            router.clone().call(request)
+            // Unboxed: hyper keeps the future as its own type.
+            let front = front.clone();
+            async move { Ok::<_, Infallible>(front.handle(request.map(Body::new)).await) }
         });
         let connection = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
         tokio::spawn(async move {

@@ -426,9 +426,9 @@ pub async fn serve(
     });
     let settings = state.http.clone();
     let limiter = Arc::clone(&state.limiter);
-    let router = app(state);
+    let front = app(state);
     let result =
-        connections::serve_connections(listener, router, limiter, &settings, shutdown).await;
+        connections::serve_connections(listener, front, limiter, &settings, shutdown).await;
     upkeep.abort();
     result
 }
