@@ -6,10 +6,14 @@
 //! cargo run --release -p loadtest -- http-cost
 //! ```
 //!
-//! It builds nothing: the servers are this executable re-run as
-//! `loadtest instance` (what the `ratelimiter` binary runs) and the peers
-//! `examples/peer_governor.rs` and `examples/peer_plain.rs`, found beside
-//! this executable (`target/<profile>/examples/`, `--peers` elsewhere).
+//! It builds nothing: the servers are the `ratelimiter` binary, the one a
+//! user runs, found beside this executable (`target/<profile>/`), and the
+//! peers `examples/peer_governor.rs` and `examples/peer_plain.rs`, beside
+//! it too (`target/<profile>/examples/`; `--server` and `--peers` name
+//! others). Not this executable re-run as `loadtest
+//! instance`: the same code, but linked into a binary many times the size
+//! (goose, reqwest, plotters), whose layout alone changed the per-request
+//! CPU by a tenth or more.
 //!
 //! Each server is pinned to `--server-cpu` (taskset) and started fresh for
 //! each run; the load generator, this process, is pinned to
@@ -43,7 +47,7 @@ use crate::results::Table;
 use anyhow::{Context, ensure};
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
@@ -77,6 +81,9 @@ pub struct HttpCostArgs {
     /// The CPU the load generator is pinned to
     #[arg(long, default_value_t = 1)]
     pub client_cpu: usize,
+    /// Our server, the `ratelimiter` binary [default: beside this executable]
+    #[arg(long)]
+    pub server: Option<PathBuf>,
     /// Where peer_governor and peer_plain are [default: examples/ beside this executable]
     #[arg(long)]
     pub peers: Option<PathBuf>,
@@ -302,24 +309,47 @@ fn fallback_decisions(port: u16) -> anyhow::Result<f64> {
         .sum())
 }
 
-/// Where the peers are: `--peers`, or `examples/` beside this executable.
-fn peers_dir(args: &HttpCostArgs) -> anyhow::Result<PathBuf> {
-    let dir = match &args.peers {
-        Some(dir) => dir.clone(),
-        None => std::env::current_exe()?
+/// Where the servers are: `--server` and `--peers`, or beside this
+/// executable (the peers in its `examples/`).
+fn servers(args: &HttpCostArgs) -> anyhow::Result<Servers> {
+    let here = || -> anyhow::Result<PathBuf> {
+        Ok(std::env::current_exe()?
             .parent()
             .context("this executable has no directory")?
-            .join("examples"),
+            .to_path_buf())
     };
-    for peer in ["peer_governor", "peer_plain"] {
+    let servers = Servers {
+        ours: match &args.server {
+            Some(path) => path.clone(),
+            None => here()?.join("ratelimiter"),
+        },
+        peers: match &args.peers {
+            Some(dir) => dir.clone(),
+            None => here()?.join("examples"),
+        },
+    };
+    for server in [
+        servers.ours.clone(),
+        servers.peers.join("peer_governor"),
+        servers.peers.join("peer_plain"),
+    ] {
         ensure!(
-            dir.join(peer).is_file(),
-            "no {peer} in {}: build the peers with the same profile first \
-             (cargo build --release -p ratelimiter --examples)",
-            dir.display()
+            server.is_file(),
+            "no {}: build it with the same profile first \
+             (cargo build --release -p ratelimiter --bins --examples)",
+            server.display()
         );
     }
-    Ok(dir)
+    Ok(servers)
+}
+
+/// The executables a run starts.
+#[derive(Debug)]
+struct Servers {
+    /// The `ratelimiter` binary.
+    ours: PathBuf,
+    /// The directory of `peer_governor` and `peer_plain`.
+    peers: PathBuf,
 }
 
 /// One run of `variant`: its server started fresh and pinned, driven, stopped.
@@ -327,7 +357,7 @@ fn run_one(
     variant: &str,
     round: usize,
     redis: Option<&RedisServer>,
-    peers: &Path,
+    servers: &Servers,
     configs: &TempDir,
     args: &HttpCostArgs,
 ) -> anyhow::Result<Run> {
@@ -338,7 +368,7 @@ fn run_one(
     match variant {
         "governor" | "plain" => {
             command
-                .arg(peers.join(format!("peer_{variant}")))
+                .arg(servers.peers.join(format!("peer_{variant}")))
                 .arg(&listen);
         }
         _ => {
@@ -359,14 +389,8 @@ fn run_one(
             }
             std::fs::write(&config, toml)?;
             command
-                .arg(std::env::current_exe()?)
-                .args([
-                    "instance",
-                    "--listen",
-                    &listen,
-                    "--instance-id",
-                    "http-cost",
-                ])
+                .arg(&servers.ours)
+                .args(["--listen", &listen, "--instance-id", "http-cost"])
                 .arg("--config")
                 .arg(&config);
         }
@@ -584,7 +608,7 @@ fn run_blocking(args: &HttpCostArgs) -> anyhow::Result<()> {
         "the server and the load generator need CPUs of their own"
     );
     ensure!(args.repeats > 0 && args.requests > 0, "nothing to measure");
-    let peers = peers_dir(args)?;
+    let servers = servers(args)?;
     pin_this_process(args.client_cpu)?;
     let redis = if args.variants.iter().any(|v| v == "lua") {
         Some(RedisServer::start_pinned(args.server_cpu)?)
@@ -598,7 +622,7 @@ fn run_blocking(args: &HttpCostArgs) -> anyhow::Result<()> {
         let n = args.variants.len();
         for i in 0..n {
             let variant = &args.variants[(i + round - 1) % n];
-            let run = run_one(variant, round, redis.as_ref(), &peers, &configs, args)?;
+            let run = run_one(variant, round, redis.as_ref(), &servers, &configs, args)?;
             eprintln!(
                 "http-cost: round {round} {variant}: {:.2} us server + {:.2} us redis per request, {:.0} req/s, p99 {:.3} ms",
                 run.server_us(),

@@ -539,22 +539,26 @@ fn mitigations_never_over_admit_and_sharding_spreads_the_calls() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
-/// The peers `http-cost` runs, built beside this test's loadtest binary
-/// (`cargo test --workspace --all-targets` builds them; alone, this test
-/// builds them).
-fn peers_built() {
-    let examples = std::path::Path::new(BIN).parent().unwrap().join("examples");
-    if ["peer_governor", "peer_plain"]
-        .iter()
-        .all(|p| examples.join(p).is_file())
+/// The servers `http-cost` runs (the `ratelimiter` binary and the peers),
+/// built beside this test's loadtest binary (`cargo test --workspace
+/// --all-targets` builds them; alone, this test builds them).
+fn servers_built() {
+    let dir = std::path::Path::new(BIN).parent().unwrap();
+    if [
+        "ratelimiter",
+        "examples/peer_governor",
+        "examples/peer_plain",
+    ]
+    .iter()
+    .all(|p| dir.join(p).is_file())
     {
         return;
     }
     let status = Command::new(env!("CARGO"))
-        .args(["build", "-p", "ratelimiter", "--examples"])
+        .args(["build", "-p", "ratelimiter", "--bins", "--examples"])
         .status()
         .unwrap();
-    assert!(status.success(), "cannot build the peers");
+    assert!(status.success(), "cannot build the servers");
 }
 
 /// A short http-cost run: every variant measured, the tables written, the
@@ -563,7 +567,7 @@ fn peers_built() {
 #[test]
 fn http_cost_writes_its_tables() {
     let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    peers_built();
+    servers_built();
     let dir = std::env::temp_dir().join(format!("loadtest-http-cost-{}", std::process::id()));
     let out = Command::new(BIN)
         .args(["http-cost", "--requests", "3000", "--warmup", "300"])
