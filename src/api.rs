@@ -1,4 +1,5 @@
-//! The sample API being protected, and [`app`] that assembles the router.
+//! The sample API being protected, and [`app`] that assembles its routes
+//! behind [`Front`].
 //!
 //! | route | what it does | limited by |
 //! |---|---|---|

@@ -6,8 +6,11 @@
 //!
 //! - [`server`]: wiring (the store stack, the limiter, the state, all built
 //!   from the config in one place), then bind, serve, shut down gracefully.
-//! - [`api`]: the sample API being protected, and `app()` that assembles it.
-//! - [`middleware`]: the tower layer that decides in `call` and answers 429.
+//! - [`api`]: the sample API being protected, and `app()` that assembles it
+//!   behind the front service.
+//! - [`middleware`]: the front service in front of axum's router: the
+//!   route template, the limiter's decision (429 and the RateLimit fields),
+//!   the request deadline, the early 413, the RED histogram and the span.
 //! - [`limiter`]: identity, policy and the store stack, tied together.
 //! - [`config`]: the one typed configuration (file, flags, env), validated at
 //!   start-up with the bad field named.
@@ -30,7 +33,7 @@
 //!   sliding-window counter, each pure: `(limit, state, cost, now)` to
 //!   `(decision, state)`; and the one description of what each needs.
 //! - [`telemetry`]: logs and OpenTelemetry traces (OTLP), and the HTTP
-//!   layer that times every response and opens the server span.
+//!   series and server span the front service records.
 //! - [`metrics`]: every metric name, in one place.
 //! - [`key`], [`clock`]: shared vocabulary (bucket keys, time as a value
 //!   passed in), importing nothing of the crate.

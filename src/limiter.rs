@@ -301,6 +301,17 @@ impl Limiter {
         self.store.backend()
     }
 
+    /// Whether [`Limiter::check`] would decide a request to `route` by
+    /// `method` at all: `false` where no policy applies or the policy is
+    /// unlimited, which `check` answers [`Outcome::Unlimited`] at once,
+    /// counting nothing. The front service asks first, so such a request
+    /// costs no check future.
+    pub fn decides(&self, route: &str, method: &Method) -> bool {
+        self.policies
+            .find(route, method)
+            .is_some_and(|policy| !policy.is_unlimited())
+    }
+
     /// Decide a request to `route` (a route template) by `method`.
     pub async fn check(
         &self,

@@ -3,7 +3,7 @@
 //! Dashboards and alerts refer to these names; keeping them here (and only
 //! here) means code and dashboards cannot drift apart silently. Labels are
 //! bounded: policy names come from the config, routes are route templates
-//! (`MatchedPath`), never raw URIs, keys or addresses.
+//! (`middleware::Routes`), never raw URIs, keys or addresses.
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::borrow::Borrow;

@@ -532,3 +532,24 @@ async fn a_streamed_body_over_the_limit_is_cut_as_it_is_read() {
     assert_eq!(status, StatusCode::CREATED, "{body}");
     assert!(body.contains("\"order_id\":1"), "{body}");
 }
+
+/// What the front service asks before it builds a check: a route a policy
+/// limits is decided; an unlimited policy's route, or one no policy
+/// covers, is not (and `check` would answer `Unlimited` at once for it).
+#[test]
+fn only_routes_a_policy_limits_are_decided() {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/example.toml"))
+        .unwrap();
+    let config = Config::from_toml(&text).unwrap();
+    let state = state_with_stack(
+        &config,
+        in_process_stack(MemoryStore::new(1000, 4)),
+        Arc::new(ManualClock::new(T0)),
+    );
+    let limiter = state.limiter.get();
+    let get = http::Method::GET;
+    assert!(limiter.decides("/api/items", &get));
+    assert!(limiter.decides("/api/orders", &http::Method::POST));
+    assert!(!limiter.decides("/api/status", &get), "unlimited = true");
+    assert!(!limiter.decides("/healthz", &get), "no policy");
+}

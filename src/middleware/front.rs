@@ -10,8 +10,10 @@
 //!    costs no token and no Redis call.
 //! 4. Within `http.request_timeout` (else 408 with `Connection: close`:
 //!    the rest of a stalled body is never read): the limiter decides (for
-//!    the API's routes) and answers 429, 400, 401 or 503 itself, or the
-//!    router calls the handler and the RateLimit headers go on its answer.
+//!    the API's routes, where a policy limits them: an unlimited policy's
+//!    route costs no check) and answers 429, 400, 401, 503 or 500 itself,
+//!    or the router calls the handler and the RateLimit headers go on its
+//!    answer.
 //! 5. Bare errors from below (axum's 405, the 408) get problem+json
 //!    bodies; every response gets `X-Instance-Id`; the duration goes into
 //!    `http_server_request_duration_seconds` by route, method and status.
@@ -27,7 +29,7 @@ use super::Verdict;
 use super::routes::{Route, Routes};
 use crate::config::HttpConfig;
 use crate::headers::Problem;
-use crate::limiter::CurrentLimiter;
+use crate::limiter::{CurrentLimiter, Limiter};
 use crate::telemetry::http::{Durations, UNMATCHED, end_server_span, method_label, server_span};
 use axum::Router;
 use axum::body::Body;
@@ -126,10 +128,14 @@ impl Front {
             return answer;
         }
         let timeout = self.shared.request_timeout;
-        let answered = if route.limited {
+        let limiter = route
+            .limited
+            .then(|| self.shared.limiter.get())
+            .filter(|limiter| limiter.decides(route.template, request.method()));
+        let answered = if let Some(limiter) = limiter {
             // Boxed: the check is most of this future's size, and hyper
             // moves the request's future, whole, more than once.
-            let mut work = Box::pin(self.limit_then_call(route.template, request));
+            let mut work = Box::pin(self.limit_then_call(limiter, route.template, request));
             within(timeout, work.as_mut()).await
         } else {
             let work = std::pin::pin!(self.router.call(request));
@@ -142,8 +148,12 @@ impl Front {
         }
     }
 
-    async fn limit_then_call(&mut self, template: &str, request: Request<Body>) -> Response {
-        let limiter = self.shared.limiter.get();
+    async fn limit_then_call(
+        &mut self,
+        limiter: Arc<Limiter>,
+        template: &str,
+        request: Request<Body>,
+    ) -> Response {
         let peer = request
             .extensions()
             .get::<ConnectInfo<SocketAddr>>()

@@ -13,10 +13,10 @@
 //!   begins waiting for a request's head: when it opens, and again when a
 //!   response has been written. So one setting closes both a client that
 //!   trickles its headers and an idle keep-alive connection.
-//! - **A request deadline** (`http.request_timeout`, in `api::app`):
-//!   tower-http's timeout around the whole request once its headers are in,
-//!   body reading included; a stalled body is answered 408 and, its body
-//!   unread, the connection closed.
+//! - **A request deadline** (`http.request_timeout`, in
+//!   `middleware::Front`): around the whole request once its headers are
+//!   in, body reading included; a stalled body is answered 408 and, its
+//!   body unread, the connection closed.
 //! - **A cap** (`http.max_connections`), and one per client address
 //!   (`http.max_connections_per_address`; trusted proxies, as reloaded,
 //!   exempt; an IPv6 client counted by its `ipv6_prefix` network). A connection over either
@@ -26,7 +26,7 @@
 //!   backlog. The per-address cap is what keeps other clients served while
 //!   one host opens more sockets than the whole cap: without it, that host
 //!   would hold every slot until its sockets time out.
-//! - **413 before the body** (`http.body_limit`, in `api::app`).
+//! - **413 before the body** (`http.body_limit`, in `middleware::Front`).
 //!
 //! Graceful shutdown is hyper-util's: idle connections close at once,
 //! requests in flight finish.
