@@ -41,16 +41,6 @@ pub fn retry_after_secs(decision: &Decision) -> u64 {
     ceil_secs(decision.retry_after).max(1)
 }
 
-/// The rate-limit headers for `decision` under policy `policy` shaped
-/// `limit`, including `Retry-After` when the request was denied. `policy`
-/// must be a valid structured-field string body (config validation ensures
-/// names are `[A-Za-z0-9_.-]`).
-pub fn rate_limit_headers(policy: &str, limit: &Limit, decision: &Decision) -> HeaderMap {
-    let mut h = HeaderMap::with_capacity(6);
-    RateLimitFields::new(policy, limit, decision).write_to(&mut h);
-    h
-}
-
 /// The rate-limit header values of one decision, ready to go into a
 /// response's own headers ([`RateLimitFields::write_to`]): an admitted
 /// request's fields go straight onto the API's answer, with no header map
@@ -78,7 +68,10 @@ impl RateLimitFields {
         header::RETRY_AFTER,
     ];
 
-    /// The fields of `decision`; see [`rate_limit_headers`].
+    /// The rate-limit fields for `decision` under policy `policy` shaped
+    /// `limit`, including `Retry-After` when the request was denied.
+    /// `policy` must be a valid structured-field string body (config
+    /// validation ensures names are `[A-Za-z0-9_.-]`).
     pub fn new(policy: &str, limit: &Limit, decision: &Decision) -> Self {
         let mut buf = BytesMut::with_capacity(128 + 2 * policy.len());
         let mut digits = itoa::Buffer::new();
@@ -211,6 +204,13 @@ impl IntoResponse for Problem {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The fields as a header map of their own.
+    fn rate_limit_headers(policy: &str, limit: &Limit, decision: &Decision) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        RateLimitFields::new(policy, limit, decision).write_to(&mut h);
+        h
+    }
 
     fn get<'a>(h: &'a HeaderMap, name: &str) -> &'a str {
         h.get(name).unwrap().to_str().unwrap()
