@@ -22,8 +22,9 @@
 //! Redis CPU per check comes from `INFO commandstats` (`usec_per_call` of
 //! EVALSHA: the script's own time) and from `INFO cpu` (the whole server,
 //! networking and active expiry included, per check). Our client keeps
-//! `depth` checks in flight on one multiplexed connection (redis-rs
-//! pipelines them); redis-benchmark uses one connection with `-P depth`.
+//! `depth` checks in flight on its one pipelined connection
+//! (`store::redis::pipe`); redis-benchmark uses one connection with
+//! `-P depth`.
 
 use anyhow::{Context, bail};
 use ratelimiter::algorithm::{Algorithm, Limit};
@@ -188,7 +189,7 @@ async fn ours(url: &str, args: &LuaBenchArgs) -> anyhow::Result<Side> {
             Ok(true)
         })
     });
-    let name = "our client (LuaStore, redis-rs multiplexed), token_bucket.lua";
+    let name = "our client (LuaStore, pipelined), token_bucket.lua";
     drive(&mut admin, args, name, check).await
 }
 

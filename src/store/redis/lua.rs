@@ -5,12 +5,15 @@
 //! description ([`crate::algorithm`]); this store only does the I/O.
 
 use super::call::Call;
-use super::{RedisConnection, RedisSettings, redis_key, write_redis_key};
+use super::resp::{
+    Command, bulk_string, end_bulk, write_array_len, write_bulk, write_bulk_len, write_number,
+};
+use super::{RedisConnection, RedisSettings, Reply, redis_key, write_redis_key};
 use crate::algorithm::{Algorithm, Decision};
 use crate::key::BucketKey;
 use crate::store::{BoxFuture, Check, Checked, Source, Store, StoreError};
-use redis::aio::ConnectionLike;
 use redis::{Cmd, ErrorKind, RedisError, RedisWrite, Script, ServerErrorKind, Value};
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 use tracing::Instrument;
@@ -25,14 +28,28 @@ pub struct LuaStore {
     ttl_margin_us: u64,
 }
 
-/// Parses a script's reply, `"<allowed> <remaining> <retry_us> <reset_us>"`.
-fn parse_reply(reply: &str) -> Option<(bool, u64, u64, u64)> {
-    let mut fields = reply.split(' ').map(str::parse::<u64>);
-    let allowed = fields.next()?.ok()?;
-    let remaining = fields.next()?.ok()?;
-    let retry = fields.next()?.ok()?;
-    let reset = fields.next()?.ok()?;
-    if fields.next().is_some() || allowed > 1 {
+/// Parses a script's reply, `"<allowed> <remaining> <retry_us> <reset_us>"`:
+/// four unsigned decimal numbers, one space apart, read from the bytes as
+/// they came (no UTF-8 pass, no `str` splitting: this runs once per check).
+fn parse_reply(reply: &[u8]) -> Option<(bool, u64, u64, u64)> {
+    let mut fields = [0u64; 4];
+    let mut parts = reply.split(|&b| b == b' ');
+    for field in &mut fields {
+        let digits = parts.next()?;
+        if digits.is_empty() || digits.len() > 20 {
+            return None;
+        }
+        let mut n: u64 = 0;
+        for &digit in digits {
+            if !digit.is_ascii_digit() {
+                return None;
+            }
+            n = n.checked_mul(10)?.checked_add(u64::from(digit - b'0'))?;
+        }
+        *field = n;
+    }
+    let [allowed, remaining, retry, reset] = fields;
+    if parts.next().is_some() || allowed > 1 {
         return None;
     }
     Some((allowed == 1, remaining, retry, reset))
@@ -42,10 +59,33 @@ fn parse_reply(reply: &str) -> Option<(bool, u64, u64, u64)> {
 /// bulk string (RESP2 and 3); any string reply is read the same way.
 fn decode_reply(reply: &Value) -> Option<(bool, u64, u64, u64)> {
     match reply {
-        Value::BulkString(bytes) => std::str::from_utf8(bytes).ok().and_then(parse_reply),
-        Value::SimpleString(text) | Value::VerbatimString { text, .. } => parse_reply(text),
+        Value::BulkString(bytes) => parse_reply(bytes),
+        Value::SimpleString(text) | Value::VerbatimString { text, .. } => {
+            parse_reply(text.as_bytes())
+        }
         _ => None,
     }
+}
+
+/// [`parse_reply`] on a reply however it came: a frame of our own
+/// connection is read in place when it is the bulk string the script
+/// returns, and decoded to a `Value` otherwise.
+fn read_reply(reply: Reply) -> Result<(bool, u64, u64, u64), RedisError> {
+    if let Reply::Frame(frame) = &reply
+        && let Some(fields) = bulk_string(frame).and_then(parse_reply)
+    {
+        return Ok(fields);
+    }
+    let value = reply.into_value()?;
+    decode_reply(&value).ok_or_else(|| unexpected(format!("{value:?}")))
+}
+
+fn unexpected(shown: String) -> RedisError {
+    RedisError::from((
+        redis::ErrorKind::UnexpectedReturnType,
+        "rate limit script reply",
+        shown,
+    ))
 }
 
 impl LuaStore {
@@ -95,41 +135,36 @@ impl LuaStore {
         limit.check_cost(cost)?;
         let algorithm = limit.algorithm();
         let script = self.script(algorithm);
-        // EVALSHA, sha, numkeys, key, now, cost, up to 3 limit words, TTL
-        // margin, ceiling; data: the words' digits and the key.
-        let mut command = Cmd::with_capacity(11, 40 + 34 + self.prefix.len() + 8 * 20);
-        command.arg("EVALSHA").arg(script.get_hash()).arg(1);
-        write_redis_key(
-            &mut command.writer_for_next_arg(),
-            &self.prefix,
+        let mut numbers = [0; 7];
+        let mut len = 0;
+        let words = algorithm.script_args(&limit);
+        let ceiling = ceiling
+            .filter(|_| algorithm.takes_ceiling())
+            // At most the capacity, so the script's integers stay exact.
+            .map(|ceiling| ceiling.min(limit.capacity_units()));
+        for number in [now, cost]
+            .iter()
+            .chain(words.as_slice())
+            .chain([self.ttl_margin_us].iter())
+            .chain(ceiling.as_ref())
+        {
+            numbers[len] = *number;
+            len += 1;
+        }
+        let command = Evalsha {
+            sha: script.get_hash(),
+            prefix: &self.prefix,
             algorithm,
             key,
-        )
-        .map_err(RedisError::from)?;
-        command.arg(now).arg(cost);
-        for word in algorithm.script_args(&limit).as_slice() {
-            command.arg(*word);
-        }
-        command.arg(self.ttl_margin_us);
-        if let (Some(ceiling), true) = (ceiling, algorithm.takes_ceiling()) {
-            // At most the capacity, so the script's integers stay exact.
-            command.arg(ceiling.min(limit.capacity_units()));
-        }
+            numbers: &numbers[..len],
+        };
         let topology = self.connection.topology();
         let call = Call::start(topology.bucket_node(key), "EVALSHA", algorithm.as_str());
-        let mut connection = self.connection.clone();
-        let reply = evalsha(&mut connection, &command, script)
+        let reply = evalsha(&self.connection, &command, script)
             .instrument(call.span())
             .await;
         call.finish(&reply, topology);
-        let reply = reply?;
-        let (allowed, remaining, retry_after, reset) = decode_reply(&reply).ok_or_else(|| {
-            RedisError::from((
-                redis::ErrorKind::UnexpectedReturnType,
-                "rate limit script reply",
-                format!("{reply:?}"),
-            ))
-        })?;
+        let (allowed, remaining, retry_after, reset) = read_reply(reply?)?;
         Ok(Decision {
             allowed,
             limit: limit.burst(),
@@ -140,24 +175,62 @@ impl LuaStore {
     }
 }
 
+/// One check's EVALSHA: the script's SHA1, one key, then the numbers (now,
+/// cost, the limit's words, the TTL margin, the ceiling if the algorithm
+/// takes one). It writes itself as RESP straight into our connection's
+/// buffer: no `Cmd` with its two allocations, then copied.
+struct Evalsha<'a> {
+    sha: &'a str,
+    prefix: &'a str,
+    algorithm: Algorithm,
+    key: BucketKey,
+    numbers: &'a [u64],
+}
+
+impl Command for Evalsha<'_> {
+    fn write_resp(&self, out: &mut Vec<u8>) {
+        write_array_len(out, 4 + self.numbers.len());
+        write_bulk(out, b"EVALSHA");
+        write_bulk(out, self.sha.as_bytes());
+        write_bulk(out, b"1");
+        let key_len = self.prefix.len() + self.algorithm.key_tag().len() + 34;
+        write_bulk_len(out, key_len);
+        // Writing into a Vec cannot fail.
+        let _ = write_redis_key(out, self.prefix, self.algorithm, self.key);
+        end_bulk(out);
+        for &number in self.numbers {
+            write_number(out, number);
+        }
+    }
+
+    fn cmd(&self) -> Cow<'_, Cmd> {
+        let mut command = Cmd::with_capacity(4 + self.numbers.len(), 160 + self.prefix.len());
+        command.arg("EVALSHA").arg(self.sha).arg(1);
+        // Writing into a command's buffer cannot fail.
+        let _ = write_redis_key(
+            &mut command.writer_for_next_arg(),
+            self.prefix,
+            self.algorithm,
+            self.key,
+        );
+        for &number in self.numbers {
+            command.arg(number);
+        }
+        Cow::Owned(command)
+    }
+}
+
 /// Sends `command` (an EVALSHA of `script`); on NOSCRIPT loads the script
 /// and sends it again, as redis-rs's `ScriptInvocation` does.
 async fn evalsha(
-    connection: &mut RedisConnection,
-    command: &Cmd,
+    connection: &RedisConnection,
+    command: &Evalsha<'_>,
     script: &Script,
-) -> Result<Value, RedisError> {
-    match connection
-        .req_packed_command(command)
-        .await
-        .and_then(Value::extract_error)
-    {
+) -> Result<Reply, RedisError> {
+    match connection.call(command).await {
         Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-            script.load_async(connection).await?;
-            connection
-                .req_packed_command(command)
-                .await?
-                .extract_error()
+            script.load_async(&mut connection.clone()).await?;
+            connection.call(command).await
         }
         reply => reply,
     }
@@ -190,12 +263,28 @@ mod tests {
 
     #[test]
     fn script_replies_parse_strictly() {
-        assert_eq!(parse_reply("1 99 0 100000"), Some((true, 99, 0, 100_000)));
+        assert_eq!(parse_reply(b"1 99 0 100000"), Some((true, 99, 0, 100_000)));
         assert_eq!(
-            parse_reply("0 0 4503599627370496 1"),
+            parse_reply(b"0 0 4503599627370496 1"),
             Some((false, 0, 1 << 52, 1))
         );
-        for bad in ["", "1 2 3", "1 2 3 4 5", "2 0 0 0", "1 -1 0 0", "1 2.5 0 0"] {
+        assert_eq!(
+            parse_reply(b"0 18446744073709551615 0 0"),
+            Some((false, u64::MAX, 0, 0))
+        );
+        for bad in [
+            &b""[..],
+            b"1 2 3",
+            b"1 2 3 4 5",
+            b"2 0 0 0",
+            b"1 -1 0 0",
+            b"1 2.5 0 0",
+            b"1 +2 0 0",
+            b"1  2 0 0",
+            b"1 2 0 0 ",
+            b"0 18446744073709551616 0 0",
+            b"1 \xff 0 0",
+        ] {
             assert_eq!(parse_reply(bad), None, "{bad:?}");
         }
     }
@@ -225,6 +314,31 @@ mod tests {
             Value::Array(vec![Value::Int(1)]),
         ] {
             assert_eq!(decode_reply(&bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn an_evalsha_writes_itself_as_the_redis_crate_would() {
+        let sha = "a".repeat(40);
+        for (prefix, numbers) in [
+            (
+                "rl:",
+                &[1_800_000_000_000_000, 1, 10, 1_000, 100_000, 1_000_000, 7][..],
+            ),
+            ("", &[0, u64::MAX][..]),
+        ] {
+            for algorithm in Algorithm::ALL {
+                let command = Evalsha {
+                    sha: &sha,
+                    prefix,
+                    algorithm,
+                    key: BucketKey(u128::MAX / 3),
+                    numbers,
+                };
+                let mut written = Vec::new();
+                command.write_resp(&mut written);
+                assert_eq!(written, command.cmd().get_packed_command(), "{algorithm:?}");
+            }
         }
     }
 

@@ -13,7 +13,7 @@
 //! [`check_identity`], called by config validation), so a bad file fails
 //! there, naming its field, instead of at the first connection.
 
-use redis::RedisError;
+use redis::{RedisError, RedisResult};
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -69,6 +69,57 @@ impl RedisTls {
             }),
             root_cert: self.ca.clone(),
         })
+    }
+    /// The rustls configuration of a connection ([`super::pipe`]): the CA
+    /// file's certificates, or else the system's roots (read now, so a
+    /// rotated store is seen by the next connection), and the client
+    /// identity if there is one.
+    pub(super) fn client_config(&self) -> RedisResult<Arc<rustls::ClientConfig>> {
+        let invalid = |what: &'static str, e: String| {
+            RedisError::from((redis::ErrorKind::InvalidClientConfig, what, e))
+        };
+        let mut roots = rustls::RootCertStore::empty();
+        match &self.ca {
+            Some(pem) => {
+                for cert in CertificateDer::pem_slice_iter(pem) {
+                    let cert = cert.map_err(|e| invalid("redis.tls_ca_file", e.to_string()))?;
+                    roots
+                        .add(cert)
+                        .map_err(|e| invalid("redis.tls_ca_file", e.to_string()))?;
+                }
+            }
+            None => {
+                let native = rustls_native_certs::load_native_certs();
+                // Certificates the store holds that rustls cannot use are
+                // skipped, as a browser would; none usable is an error.
+                roots.add_parsable_certificates(native.certs);
+                if roots.is_empty() {
+                    let errors = native.errors.iter().map(ToString::to_string);
+                    return Err(invalid(
+                        "no usable system root certificates",
+                        errors.collect::<Vec<_>>().join("; "),
+                    ));
+                }
+            }
+        }
+        let builder = rustls::ClientConfig::builder_with_provider(Arc::new(provider()))
+            .with_safe_default_protocol_versions()
+            .map_err(|e| invalid("TLS versions", e.to_string()))?
+            .with_root_certificates(roots);
+        let config = match &self.client {
+            Some(identity) => {
+                let chain = CertificateDer::pem_slice_iter(&identity.cert)
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| invalid("redis.tls_client_cert", e.to_string()))?;
+                let key = PrivateKeyDer::from_pem_slice(&identity.key)
+                    .map_err(|e| invalid("redis.tls_client_key", e.to_string()))?;
+                builder
+                    .with_client_auth_cert(chain, key)
+                    .map_err(|e| invalid("redis.tls_client_key", e.to_string()))?
+            }
+            None => builder.with_no_client_auth(),
+        };
+        Ok(Arc::new(config))
     }
 }
 

@@ -1,0 +1,180 @@
+//! Our own pipelined connection to a standalone Redis
+//! (`src/store/redis/pipe.rs`) against real redis-server processes: every
+//! reply reaches the call that asked for it, through timeouts, lost
+//! connections and a server that is not there yet.
+
+use ratelimiter::store::redis::{RedisConnection, RedisSettings, Reply};
+use redis::Value;
+use std::time::{Duration, Instant};
+use testkit::RedisServer;
+
+fn settings(url: String) -> RedisSettings {
+    RedisSettings {
+        urls: vec![url],
+        cluster: false,
+        prefix: "test:".into(),
+        connect_timeout: Duration::from_millis(500),
+        response_timeout: Duration::from_millis(300),
+        retries: 1,
+        ttl_margin: Duration::from_secs(1),
+        topology_refresh: Duration::from_secs(1),
+        tls: Default::default(),
+    }
+}
+
+async fn echo(connection: &RedisConnection, text: &str) -> redis::RedisResult<String> {
+    let reply = connection.call(redis::cmd("ECHO").arg(text)).await?;
+    match reply.into_value()? {
+        Value::BulkString(bytes) => Ok(String::from_utf8(bytes).unwrap()),
+        other => panic!("ECHO answered {other:?}"),
+    }
+}
+
+/// Clients connected to `redis` other than the redis-cli asking.
+fn clients(redis: &RedisServer) -> usize {
+    let list = redis.cli(&["CLIENT", "LIST"]).unwrap();
+    list.lines().filter(|l| !l.contains("cmd=client")).count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_calls_each_get_their_own_reply() {
+    let redis = RedisServer::start().unwrap();
+    let connection = RedisConnection::connect(&settings(redis.url()))
+        .await
+        .unwrap();
+    let mut tasks = Vec::new();
+    for task in 0..16 {
+        let connection = connection.clone();
+        tasks.push(tokio::spawn(async move {
+            for i in 0..200 {
+                let text = format!("{task}-{i}");
+                if i % 10 == 0 {
+                    // A pipeline's replies, in the middle of single calls.
+                    let key = format!("k{task}");
+                    let (set, got): (String, String) = redis::pipe()
+                        .cmd("SET")
+                        .arg(&key)
+                        .arg(&text)
+                        .cmd("GET")
+                        .arg(&key)
+                        .query_async(&mut connection.clone())
+                        .await
+                        .unwrap();
+                    assert_eq!((set.as_str(), got.as_str()), ("OK", text.as_str()));
+                } else {
+                    assert_eq!(echo(&connection, &text).await.unwrap(), text);
+                }
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    assert_eq!(clients(&redis), 1, "every call shares one connection");
+    // A big reply, read over many reads, is one frame.
+    let big = "x".repeat(1 << 20);
+    assert_eq!(echo(&connection, &big).await.unwrap(), big);
+    // An error reply is the redis crate's error for it.
+    let error = connection
+        .call(&redis::cmd("NO-SUCH-COMMAND"))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        error.kind(),
+        redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError)
+    );
+    assert_eq!(echo(&connection, "after").await.unwrap(), "after");
+}
+
+#[tokio::test]
+async fn a_call_past_the_response_timeout_fails_and_its_late_reply_goes_nowhere() {
+    let redis = RedisServer::start().unwrap();
+    let connection = RedisConnection::connect(&settings(redis.url()))
+        .await
+        .unwrap();
+    assert_eq!(echo(&connection, "before").await.unwrap(), "before");
+    redis.pause().unwrap();
+    let started = Instant::now();
+    let error = echo(&connection, "late").await.unwrap_err();
+    assert!(error.is_timeout(), "{error}");
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(300) && waited < Duration::from_secs(3),
+        "{waited:?}"
+    );
+    redis.resume().unwrap();
+    // The same connection: "late" is answered first and dropped; this call
+    // gets its own reply, not that one.
+    assert_eq!(echo(&connection, "next").await.unwrap(), "next");
+    assert_eq!(clients(&redis), 1, "the connection was kept");
+}
+
+#[tokio::test]
+async fn a_lost_connection_fails_its_calls_and_the_next_call_reconnects() {
+    let mut redis = RedisServer::start().unwrap();
+    let connection = RedisConnection::connect(&settings(redis.url()))
+        .await
+        .unwrap();
+    assert_eq!(echo(&connection, "one").await.unwrap(), "one");
+    redis.kill().unwrap();
+    let error = echo(&connection, "gone").await.unwrap_err();
+    assert!(
+        error.is_connection_dropped() || error.is_connection_refusal(),
+        "{error}"
+    );
+    redis.restart().unwrap();
+    assert_eq!(echo(&connection, "back").await.unwrap(), "back");
+}
+
+#[tokio::test]
+async fn the_first_call_connects_so_a_service_can_start_before_redis() {
+    let port = testkit::free_port().unwrap();
+    let connection = RedisConnection::connect(&settings(format!("redis://127.0.0.1:{port}")))
+        .await
+        .unwrap();
+    let error = echo(&connection, "nobody").await.unwrap_err();
+    assert!(error.is_connection_refusal(), "{error}");
+    let redis = RedisServer::start_on(port, &[]).unwrap();
+    assert_eq!(echo(&connection, "there").await.unwrap(), "there");
+    drop(connection);
+    // The last handle gone, the connection closes.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while clients(&redis) > 0 {
+        assert!(Instant::now() < deadline, "the connection stayed open");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn the_url_password_and_database_are_used() {
+    let redis = RedisServer::start_with(&["--requirepass", "s3cret"]).unwrap();
+    let url = redis.url().replace("redis://", "redis://:s3cret@") + "/3";
+    let connection = RedisConnection::connect(&settings(url)).await.unwrap();
+    let reply = connection
+        .call(redis::cmd("SET").arg("where").arg("db3"))
+        .await
+        .unwrap();
+    assert!(matches!(reply, Reply::Frame(_)), "{reply:?}");
+    assert_eq!(reply.into_value().unwrap(), Value::Okay);
+    let got = redis
+        .cli(&[
+            "-a",
+            "s3cret",
+            "--no-auth-warning",
+            "-n",
+            "3",
+            "GET",
+            "where",
+        ])
+        .unwrap();
+    assert_eq!(got.trim(), "db3");
+    // A wrong password is the server's refusal, not a network failure.
+    let url = redis.url().replace("redis://", "redis://:wrong@");
+    let connection = RedisConnection::connect(&settings(url)).await.unwrap();
+    let error = echo(&connection, "x").await.unwrap_err();
+    assert_eq!(
+        ratelimiter::store::redis_error_kind(&error),
+        "auth",
+        "{error}"
+    );
+}
