@@ -68,19 +68,34 @@ impl Call {
     }
 
     fn record(&self, error: Option<&'static str>) {
-        metrics::histogram!(
-            m::REDIS_CALL_DURATION_SECONDS,
-            "node" => Arc::clone(&self.node.label),
-            "script" => self.script,
-        )
-        .record(self.started.elapsed().as_secs_f64());
-        if let Some(kind) = error {
-            metrics::counter!(
-                m::REDIS_ERRORS_TOTAL,
-                "node" => Arc::clone(&self.node.label),
-                "kind" => kind,
+        let node = &self.node;
+        node.durations
+            .get(
+                self.script,
+                || self.script,
+                || {
+                    metrics::histogram!(
+                        m::REDIS_CALL_DURATION_SECONDS,
+                        "node" => Arc::clone(&node.label),
+                        "script" => self.script,
+                    )
+                },
             )
-            .increment(1);
+            .record(self.started.elapsed().as_secs_f64());
+        if let Some(kind) = error {
+            node.errors
+                .get(
+                    kind,
+                    || kind,
+                    || {
+                        metrics::counter!(
+                            m::REDIS_ERRORS_TOTAL,
+                            "node" => Arc::clone(&node.label),
+                            "kind" => kind,
+                        )
+                    },
+                )
+                .increment(1);
             self.span.record("error.type", kind);
             self.span.record("otel.status_code", "ERROR");
         }

@@ -8,7 +8,7 @@ use super::call::Call;
 use super::resp::{
     Command, bulk_string, end_bulk, write_array_len, write_bulk, write_bulk_len, write_number,
 };
-use super::{RedisConnection, RedisSettings, Reply, redis_key, write_redis_key};
+use super::{RedisConnection, RedisSettings, Reply, hash_tag, redis_key, write_redis_key};
 use crate::algorithm::{Algorithm, Decision};
 use crate::key::BucketKey;
 use crate::store::{BoxFuture, Check, Checked, Source, Store, StoreError};
@@ -24,6 +24,9 @@ pub struct LuaStore {
     connection: RedisConnection,
     /// One per algorithm, in [`Algorithm::ALL`] order.
     scripts: [Script; 5],
+    /// Per algorithm, what every check's EVALSHA holds before the bucket's
+    /// hash tag (see [`Evalsha`]).
+    heads: [Vec<u8>; 5],
     prefix: String,
     ttl_margin_us: u64,
 }
@@ -91,9 +94,13 @@ fn unexpected(shown: String) -> RedisError {
 impl LuaStore {
     /// A store on `connection`.
     pub fn new(connection: RedisConnection, settings: &RedisSettings) -> Self {
+        let scripts = Algorithm::ALL.map(|a| Script::new(a.script()));
+        let heads = Algorithm::ALL
+            .map(|a| Evalsha::head(scripts[a as usize].get_hash(), &settings.prefix, a));
         Self {
             connection,
-            scripts: Algorithm::ALL.map(|a| Script::new(a.script())),
+            scripts,
+            heads,
             prefix: settings.prefix.clone(),
             ttl_margin_us: u64::try_from(settings.ttl_margin.as_micros()).unwrap_or(u64::MAX),
         }
@@ -152,6 +159,7 @@ impl LuaStore {
             len += 1;
         }
         let command = Evalsha {
+            head: &self.heads[algorithm as usize],
             sha: script.get_hash(),
             prefix: &self.prefix,
             algorithm,
@@ -178,8 +186,13 @@ impl LuaStore {
 /// One check's EVALSHA: the script's SHA1, one key, then the numbers (now,
 /// cost, the limit's words, the TTL margin, the ceiling if the algorithm
 /// takes one). It writes itself as RESP straight into our connection's
-/// buffer: no `Cmd` with its two allocations, then copied.
+/// buffer: no `Cmd` with its two allocations, then copied, and everything
+/// before the bucket's hash tag (the name, the SHA1, the key count, the
+/// key's length, prefix and tag) copied from a `head` made once per
+/// algorithm.
 struct Evalsha<'a> {
+    /// [`Evalsha::head`] of this script, prefix and algorithm.
+    head: &'a [u8],
     sha: &'a str,
     prefix: &'a str,
     algorithm: Algorithm,
@@ -187,16 +200,28 @@ struct Evalsha<'a> {
     numbers: &'a [u64],
 }
 
+impl Evalsha<'_> {
+    /// The RESP of an EVALSHA of `sha` on a key of `algorithm` under
+    /// `prefix`, up to the key's hash tag.
+    fn head(sha: &str, prefix: &str, algorithm: Algorithm) -> Vec<u8> {
+        let mut head = Vec::new();
+        write_bulk(&mut head, b"EVALSHA");
+        write_bulk(&mut head, sha.as_bytes());
+        write_bulk(&mut head, b"1");
+        write_bulk_len(&mut head, prefix.len() + algorithm.key_tag().len() + 34);
+        head.extend_from_slice(prefix.as_bytes());
+        head.extend_from_slice(algorithm.key_tag().as_bytes());
+        head
+    }
+}
+
 impl Command for Evalsha<'_> {
     fn write_resp(&self, out: &mut Vec<u8>) {
+        // The numbers: at most 20 digits and 6 bytes of framing each.
+        out.reserve(4 + self.head.len() + 36 + 26 * self.numbers.len());
         write_array_len(out, 4 + self.numbers.len());
-        write_bulk(out, b"EVALSHA");
-        write_bulk(out, self.sha.as_bytes());
-        write_bulk(out, b"1");
-        let key_len = self.prefix.len() + self.algorithm.key_tag().len() + 34;
-        write_bulk_len(out, key_len);
-        // Writing into a Vec cannot fail.
-        let _ = write_redis_key(out, self.prefix, self.algorithm, self.key);
+        out.extend_from_slice(self.head);
+        out.extend_from_slice(&hash_tag(self.key));
         end_bulk(out);
         for &number in self.numbers {
             write_number(out, number);
@@ -328,7 +353,9 @@ mod tests {
             ("", &[0, u64::MAX][..]),
         ] {
             for algorithm in Algorithm::ALL {
+                let head = Evalsha::head(&sha, prefix, algorithm);
                 let command = Evalsha {
+                    head: &head,
                     sha: &sha,
                     prefix,
                     algorithm,

@@ -248,11 +248,7 @@ impl RedisConnection {
             // The slot map is read over the same (lazy) connection.
             let reader = Self {
                 link: link.clone(),
-                topology: Arc::new(Topology::Standalone(Arc::new(Node {
-                    label: Arc::from("unknown"),
-                    host: Arc::from("unknown"),
-                    port: 0,
-                }))),
+                topology: Arc::new(Topology::Standalone(Arc::new(Node::unknown()))),
             };
             let topology = Topology::cluster(reader, settings.topology_refresh);
             Ok(Self { link, topology })
@@ -357,7 +353,7 @@ pub fn write_redis_key(
 
 /// `{<32 hex digits>}`: the hash tag that keeps every key of a bucket in
 /// the bucket's slot.
-fn hash_tag(key: BucketKey) -> [u8; 34] {
+pub(super) fn hash_tag(key: BucketKey) -> [u8; 34] {
     let mut tag = [b'{'; 34];
     tag[1..33].copy_from_slice(&key.hex());
     tag[33] = b'}';

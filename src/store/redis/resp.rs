@@ -32,15 +32,17 @@ impl Command for Cmd {
 
 /// Writes the header of a RESP array of `len` elements.
 pub fn write_array_len(out: &mut Vec<u8>, len: usize) {
-    out.push(b'*');
-    out.extend_from_slice(itoa::Buffer::new().format(len).as_bytes());
-    out.extend_from_slice(b"\r\n");
+    write_header(out, b'*', len);
 }
 
 /// Writes the header of a RESP bulk string of `len` bytes; the caller
 /// writes the bytes, then [`end_bulk`].
 pub fn write_bulk_len(out: &mut Vec<u8>, len: usize) {
-    out.push(b'$');
+    write_header(out, b'$', len);
+}
+
+fn write_header(out: &mut Vec<u8>, kind: u8, len: usize) {
+    out.push(kind);
     out.extend_from_slice(itoa::Buffer::new().format(len).as_bytes());
     out.extend_from_slice(b"\r\n");
 }
@@ -58,9 +60,20 @@ pub fn write_bulk(out: &mut Vec<u8>, bytes: &[u8]) {
 }
 
 /// Writes `n`'s decimal digits as a RESP bulk string, as Redis reads a
-/// number argument.
+/// number argument. (At most 20 digits, so the length is written without
+/// a second formatting pass: this runs several times per check.)
 pub fn write_number(out: &mut Vec<u8>, n: u64) {
-    write_bulk(out, itoa::Buffer::new().format(n).as_bytes());
+    let mut digits = itoa::Buffer::new();
+    let digits = digits.format(n).as_bytes();
+    let len = digits.len();
+    if len >= 10 {
+        out.extend_from_slice(&[b'$', b'0' + (len / 10) as u8, b'0' + (len % 10) as u8]);
+    } else {
+        out.extend_from_slice(&[b'$', b'0' + len as u8]);
+    }
+    out.extend_from_slice(b"\r\n");
+    out.extend_from_slice(digits);
+    out.extend_from_slice(b"\r\n");
 }
 
 /// Decodes a reply frame into the redis crate's `Value`; an error reply
@@ -169,6 +182,18 @@ mod tests {
             b"+OK\n",
         ] {
             assert!(frame_len(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn numbers_and_bulk_strings_are_written_as_the_redis_crate_writes_them() {
+        for n in [0, 9, 10, 99, 123_456_789, 1_234_567_890, u64::MAX] {
+            let mut ours = Vec::new();
+            write_array_len(&mut ours, 2);
+            write_number(&mut ours, n);
+            write_bulk(&mut ours, b"x y");
+            let theirs = redis::cmd(&n.to_string()).arg("x y").get_packed_command();
+            assert_eq!(ours, theirs, "{n}");
         }
     }
 

@@ -11,6 +11,8 @@
 
 use super::RedisConnection;
 use crate::key::BucketKey;
+use crate::metrics::Handles;
+use metrics::{Counter, Histogram};
 use redis::{ConnectionAddr, IntoConnectionInfo, Value};
 use std::sync::{Arc, RwLock, Weak};
 use std::time::Duration;
@@ -19,8 +21,9 @@ use tokio::sync::Notify;
 /// Slots in a Redis Cluster.
 pub const SLOTS: usize = crate::key::SLOTS;
 
-/// A node, as labels and span attributes name it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A node, as labels and span attributes name it, with its metric
+/// handles.
+#[derive(Debug)]
 pub struct Node {
     /// `host:port`.
     pub label: Arc<str>,
@@ -28,24 +31,40 @@ pub struct Node {
     pub host: Arc<str>,
     /// The port.
     pub port: u16,
+    /// Its series, by script (`ratelimit_redis_call_duration_seconds`) and
+    /// by error kind (`ratelimit_redis_errors_total`), kept: a call then
+    /// looks up one static name, not the recorder's registry with a label
+    /// vector built for it (see [`crate::metrics::Handles`]).
+    pub(super) durations: Handles<&'static str, Histogram>,
+    pub(super) errors: Handles<&'static str, Counter>,
 }
+
+impl PartialEq for Node {
+    fn eq(&self, other: &Self) -> bool {
+        (&self.label, &self.host, self.port) == (&other.label, &other.host, other.port)
+    }
+}
+
+impl Eq for Node {}
 
 impl Node {
     fn new(host: &str, port: u16) -> Self {
+        Self::named(Arc::from(format!("{host}:{port}")), Arc::from(host), port)
+    }
+
+    fn named(label: Arc<str>, host: Arc<str>, port: u16) -> Self {
         Self {
-            label: Arc::from(format!("{host}:{port}")),
-            host: Arc::from(host),
+            label,
+            host,
             port,
+            durations: Handles::default(),
+            errors: Handles::default(),
         }
     }
 
     /// Before the slot map is known (the cluster has not answered yet).
-    fn unknown() -> Self {
-        Self {
-            label: Arc::from("unknown"),
-            host: Arc::from("unknown"),
-            port: 0,
-        }
+    pub(super) fn unknown() -> Self {
+        Self::named(Arc::from("unknown"), Arc::from("unknown"), 0)
     }
 }
 
