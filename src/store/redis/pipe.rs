@@ -402,11 +402,21 @@ impl Connection {
     /// One turn of the driver: `Ready(None)` when every handle is gone,
     /// `Ready(Some(error))` when the connection failed.
     fn poll(&mut self, shared: &Shared, cx: &mut Context<'_>) -> Poll<Option<RedisError>> {
-        if let Err(e) = self.take_output(shared, cx) {
-            return Poll::Ready(e);
-        }
-        if let Poll::Ready(Err(e)) = self.poll_write(cx) {
-            return Poll::Ready(Some(e.into()));
+        // Write until the socket is full or nothing is queued: a call
+        // queued while an earlier write was still going out did not wake
+        // the driver (it found commands queued already), so it is taken
+        // here rather than a round trip later, when a reply wakes it.
+        loop {
+            match self.take_output(shared, cx) {
+                Err(e) => return Poll::Ready(e),
+                Ok(false) if self.written == self.write.len() => break,
+                Ok(_) => {}
+            }
+            match self.poll_write(cx) {
+                Poll::Ready(Err(e)) => return Poll::Ready(Some(e.into())),
+                Poll::Ready(Ok(())) => {}
+                Poll::Pending => break,
+            }
         }
         if let Poll::Ready(e) = self.poll_read(shared, cx) {
             return Poll::Ready(Some(e));
@@ -415,13 +425,14 @@ impl Connection {
         Poll::Pending
     }
 
-    /// Takes the queued commands once the last ones are written, stamps
-    /// their calls as sent, and leaves the driver's waker for callers.
+    /// Takes the queued commands once the last ones are written (whether
+    /// it took any), stamps their calls as sent, and leaves the driver's
+    /// waker for callers.
     fn take_output(
         &mut self,
         shared: &Shared,
         cx: &mut Context<'_>,
-    ) -> Result<(), Option<RedisError>> {
+    ) -> Result<bool, Option<RedisError>> {
         let mut state = shared.lock();
         if state.closed {
             return Err(None);
@@ -443,8 +454,9 @@ impl Connection {
             for waiter in state.waiting.range_mut(from..) {
                 waiter.sent = Some(now);
             }
+            return Ok(true);
         }
-        Ok(())
+        Ok(false)
     }
 
     fn poll_write(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
