@@ -307,8 +307,7 @@ async fn open(settings: &PipeSettings) -> RedisResult<Box<dyn Io>> {
             )));
         }
     };
-    let tcp = TcpStream::connect((host.as_str(), port)).await?;
-    tcp.set_nodelay(true)?;
+    let tcp = connect_tcp(host, port).await?;
     let mut stream: Box<dyn Io> = if tls {
         let config = settings.tls.client_config()?;
         let name = rustls::pki_types::ServerName::try_from(host.clone()).map_err(|e| {
@@ -325,6 +324,15 @@ async fn open(settings: &PipeSettings) -> RedisResult<Box<dyn Io>> {
     };
     handshake(&mut stream, &settings.info).await?;
     Ok(stream)
+}
+
+/// A TCP connection to `host:port` with Nagle's algorithm off (see
+/// [`super::tcp_settings`]: a check written while the last one is
+/// unacknowledged must not wait for that ACK).
+pub(super) async fn connect_tcp(host: &str, port: u16) -> io::Result<TcpStream> {
+    let tcp = TcpStream::connect((host, port)).await?;
+    tcp.set_nodelay(true)?;
+    Ok(tcp)
 }
 
 /// AUTH and SELECT, as the URL says; each must answer OK.
