@@ -178,3 +178,42 @@ async fn the_url_password_and_database_are_used() {
         "{error}"
     );
 }
+
+#[tokio::test]
+async fn a_call_queued_behind_a_stuck_write_still_times_out() {
+    let redis = RedisServer::start().unwrap();
+    let connection = RedisConnection::connect(&settings(redis.url()))
+        .await
+        .unwrap();
+    assert_eq!(echo(&connection, "before").await.unwrap(), "before");
+    redis.pause().unwrap();
+    // 64 MiB that a hung Redis never reads: the write fills the socket's
+    // buffers and stays stuck, and the next call cannot even be written.
+    let big = "x".repeat(64 << 20);
+    let (stuck, behind) = tokio::time::timeout(Duration::from_secs(10), async {
+        tokio::join!(echo(&connection, &big), async {
+            // Queued once the big write is under way, so not taken with it.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            echo(&connection, "behind").await
+        })
+    })
+    .await
+    .expect("calls waited past their response timeout");
+    assert!(stuck.unwrap_err().is_timeout());
+    let behind = behind.unwrap_err();
+    assert!(behind.is_timeout(), "{behind}");
+    redis.resume().unwrap();
+}
+
+#[tokio::test]
+async fn an_empty_pipeline_sends_nothing_and_breaks_nothing() {
+    let redis = RedisServer::start().unwrap();
+    let connection = RedisConnection::connect(&settings(redis.url()))
+        .await
+        .unwrap();
+    let () = redis::pipe()
+        .query_async(&mut connection.clone())
+        .await
+        .unwrap();
+    assert_eq!(echo(&connection, "after").await.unwrap(), "after");
+}

@@ -9,7 +9,7 @@
 //! building a `Value`. Here a call locks a mutex, writes its command
 //! straight into the bytes the driver will send, queues a oneshot and wakes
 //! the driver only if it was idle; the driver writes whatever has queued in
-//! one `write`, cuts the replies it reads into frames without parsing them
+//! as few writes as the socket takes, cuts the replies it reads into frames without parsing them
 //! (each frame a slice of one read buffer), and hands each to the next
 //! caller in line. The caller decodes its own frame: the check reads its
 //! bulk string in place, anything else becomes a redis crate `Value`, so
@@ -22,8 +22,8 @@
 //!   away; a failed connection is tried again `retries` times, 1 to 50 ms
 //!   apart, and then again by a later call.
 //! - A lost connection fails the calls on it and the next call reconnects.
-//! - A call unanswered `response_timeout` after it was sent fails as a
-//!   timeout; the connection stays (a Redis that was only slow answers the
+//! - A call unanswered `response_timeout` after it was queued (sent or
+//!   not: a write stuck behind a full socket counts) fails as a timeout; the connection stays (a Redis that was only slow answers the
 //!   calls after it), and its late reply, when it comes, is dropped. One
 //!   timer serves the whole connection: replies come in order, so only the
 //!   oldest call can be the next to time out.
@@ -59,7 +59,7 @@ pub struct PipeSettings {
     pub tls: RedisTls,
     /// Time allowed to open a connection (TCP, TLS, AUTH and SELECT).
     pub connect_timeout: Duration,
-    /// Time allowed for a call's answer, from when it was written.
+    /// Time allowed for a call's answer, from when it was queued.
     pub response_timeout: Duration,
     /// Further connection attempts when one fails.
     pub retries: u32,
@@ -113,9 +113,11 @@ struct State {
     out: Vec<u8>,
     /// One per call written or queued, oldest first: replies come in order.
     waiting: VecDeque<Waiter>,
-    /// How many of `waiting` (the newest) the driver has not yet taken to
-    /// write, so have no send time.
-    unsent: usize,
+    /// How many of `waiting` (the oldest) have timed out. Calls are queued
+    /// in time order and time out in it, so these are a prefix: the timer
+    /// looks past them, not through them, while a stalled Redis leaves
+    /// their replies to come.
+    expired: usize,
     /// The driver's waker, while it runs.
     driver: Option<Waker>,
     /// Whether a driver task runs (connecting or connected).
@@ -128,8 +130,9 @@ struct State {
 struct Waiter {
     /// Frames still to come for this call.
     left: usize,
-    /// When its command was taken to be written (`None` until then).
-    sent: Option<Instant>,
+    /// When it was queued: its response timeout runs from then, whether
+    /// or not its command could be written yet.
+    queued: Instant,
     /// Where the reply goes; `None` once the call has timed out (its
     /// frames are still read, then dropped).
     to: Option<Sink>,
@@ -186,8 +189,12 @@ impl Pipe {
         offset: usize,
         count: usize,
     ) -> RedisResult<Vec<Bytes>> {
-        let (to, reply) = oneshot::channel();
         let frames = offset + count;
+        if frames == 0 {
+            // Nothing to send (an empty pipeline): no reply will come.
+            return Ok(Vec::new());
+        }
+        let (to, reply) = oneshot::channel();
         self.queue(frames, Sink::Many(Vec::with_capacity(frames), to), |out| {
             out.extend_from_slice(&pipeline.get_packed_pipeline())
         });
@@ -202,16 +209,26 @@ impl Pipe {
         write(&mut state.out);
         state.waiting.push_back(Waiter {
             left: frames,
-            sent: None,
+            queued: Instant::now(),
             to: Some(to),
         });
-        state.unsent += 1;
-        if !state.running {
-            state.running = true;
-            tokio::spawn(drive(Arc::clone(shared)));
-        } else if was_idle && let Some(driver) = &state.driver {
-            driver.wake_by_ref();
+        if state.running {
+            if was_idle && let Some(driver) = &state.driver {
+                driver.wake_by_ref();
+            }
+            return;
         }
+        state.running = true;
+        drop(state);
+        // Spawned with the lock released and the `Stop` already made: if
+        // the task is dropped unpolled (its runtime shutting down), or
+        // there is no runtime to spawn on, `Stop` still runs, and the next
+        // call starts a driver rather than wait for one that never ran.
+        let stop = Stop {
+            shared: Arc::clone(shared),
+            error: None,
+        };
+        tokio::spawn(drive(stop));
     }
 }
 
@@ -224,11 +241,8 @@ fn stopped() -> RedisError {
 
 /// The driver task: connects, then moves bytes until the connection fails
 /// or every handle is gone, then fails whatever still waits.
-async fn drive(shared: Arc<Shared>) {
-    let mut stop = Stop {
-        shared: &shared,
-        error: None,
-    };
+async fn drive(mut stop: Stop) {
+    let shared = Arc::clone(&stop.shared);
     stop.error = match connect(&shared.settings).await {
         Ok(stream) => {
             let mut connection = Connection::new(stream, shared.settings.response_timeout);
@@ -242,18 +256,18 @@ async fn drive(shared: Arc<Shared>) {
 /// every handle is gone, or dropped with its runtime. The calls still
 /// waiting fail (rather than wait for a driver that is gone) and the next
 /// call starts a new one.
-struct Stop<'a> {
-    shared: &'a Shared,
+struct Stop {
+    shared: Arc<Shared>,
     error: Option<RedisError>,
 }
 
-impl Drop for Stop<'_> {
+impl Drop for Stop {
     fn drop(&mut self) {
         let mut state = self.shared.lock();
         state.running = false;
         state.driver = None;
         state.out.clear();
-        state.unsent = 0;
+        state.expired = 0;
         let error = self.error.take().unwrap_or_else(stopped);
         for waiter in state.waiting.drain(..) {
             if let Some(to) = waiter.to {
@@ -417,7 +431,7 @@ impl Connection {
         loop {
             match self.take_output(shared, cx) {
                 Err(e) => return Poll::Ready(e),
-                Ok(false) if self.written == self.write.len() => break,
+                Ok(false) if self.written == self.write.len() && !self.unflushed => break,
                 Ok(_) => {}
             }
             match self.poll_write(cx) {
@@ -434,8 +448,7 @@ impl Connection {
     }
 
     /// Takes the queued commands once the last ones are written (whether
-    /// it took any), stamps their calls as sent, and leaves the driver's
-    /// waker for callers.
+    /// it took any), and leaves the driver's waker for callers.
     fn take_output(
         &mut self,
         shared: &Shared,
@@ -456,12 +469,6 @@ impl Connection {
             self.write.clear();
             self.written = 0;
             std::mem::swap(&mut self.write, &mut state.out);
-            let now = Instant::now();
-            let unsent = std::mem::take(&mut state.unsent);
-            let from = state.waiting.len() - unsent;
-            for waiter in state.waiting.range_mut(from..) {
-                waiter.sent = Some(now);
-            }
             return Ok(true);
         }
         Ok(false)
@@ -529,12 +536,10 @@ impl Connection {
             let mut state = shared.lock();
             let now = Instant::now();
             let mut oldest = None;
-            for waiter in state.waiting.iter_mut() {
-                let Some(sent) = waiter.sent else { break };
-                if waiter.to.is_none() {
-                    continue;
-                }
-                let due = sent + self.response_timeout;
+            let from = state.expired;
+            let mut expired = 0;
+            for waiter in state.waiting.range_mut(from..) {
+                let due = waiter.queued + self.response_timeout;
                 if due > now {
                     oldest = Some(due);
                     break;
@@ -545,11 +550,13 @@ impl Connection {
                         "redis did not answer in time",
                     )));
                 }
+                expired += 1;
             }
+            state.expired += expired;
             drop(state);
             let Some(due) = oldest else {
-                // Nothing sent waits (calls queued since arm it when the
-                // driver takes them: the next turn comes here again).
+                // Nothing waits (a call queued later wakes the driver,
+                // which comes here again and arms the timer for it).
                 return;
             };
             self.timer.as_mut().reset(due);
@@ -588,6 +595,7 @@ fn deliver(state: &mut State, frames: impl Iterator<Item = Bytes>) -> Result<(),
         }
         if done {
             state.waiting.pop_front();
+            state.expired = state.expired.saturating_sub(1);
         }
     }
     Ok(())
@@ -605,10 +613,13 @@ impl redis::aio::ConnectionLike for Pipe {
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
         Box::pin(async move {
+            // Each reply as a value, error replies included: the redis
+            // crate's pipeline code reads those itself (`ignore_errors`, a
+            // transaction's per-command errors).
             self.call_many(pipeline, offset, count)
                 .await?
                 .iter()
-                .map(|frame| decode(frame))
+                .map(|frame| redis::parse_redis_value(frame))
                 .collect()
         })
     }

@@ -104,8 +104,9 @@ pub(super) fn frame_len(buf: &[u8]) -> io::Result<Option<usize>> {
         let Some(newline) = buf[at..].iter().position(|&b| b == b'\n') else {
             return Ok(None);
         };
-        if newline == 0 || buf[at + newline - 1] != b'\r' {
-            return Err(bad("a line without CRLF"));
+        if newline < 2 || buf[at + newline - 1] != b'\r' {
+            // No CR, or not even a type byte before the CRLF.
+            return Err(bad("a line without a type or CRLF"));
         }
         let kind = buf[at];
         let line = &buf[at + 1..at + newline - 1];
@@ -180,6 +181,10 @@ mod tests {
             b"$x\r\n",
             b"$3\r\nabcd\r\n",
             b"+OK\n",
+            b"\r\n",
+            b"\n",
+            b"*1\r\n\r\n",
+            b"*2\r\n:1\r\n\n",
         ] {
             assert!(frame_len(bad).is_err(), "{bad:?}");
         }
