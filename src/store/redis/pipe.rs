@@ -23,7 +23,9 @@
 //!   apart, and then again by a later call.
 //! - A lost connection fails the calls on it and the next call reconnects.
 //! - A call unanswered `response_timeout` after it was queued (sent or
-//!   not: a write stuck behind a full socket counts) fails as a timeout; the connection stays (a Redis that was only slow answers the
+//!   not: a write stuck behind a full socket counts; or after the
+//!   connection was made, if it was queued while connecting, which the
+//!   connect timeout bounds) fails as a timeout; the connection stays (a Redis that was only slow answers the
 //!   calls after it), and its late reply, when it comes, is dropped. One
 //!   timer serves the whole connection: replies come in order, so only the
 //!   oldest call can be the next to time out.
@@ -400,6 +402,10 @@ struct Connection {
     /// Frames cut from the last read, to hand over under one lock.
     frames: Vec<Bytes>,
     response_timeout: Duration,
+    /// When the connection was made: a call queued while it was being made
+    /// (TCP, TLS, AUTH: bounded by the connect timeout instead) has its
+    /// response timeout counted from then.
+    connected: Instant,
     /// Armed while calls wait; it may fire early (the oldest call was
     /// answered since), and is then armed again.
     timer: Pin<Box<Sleep>>,
@@ -416,6 +422,7 @@ impl Connection {
             read: BytesMut::with_capacity(16 * 1024),
             frames: Vec::new(),
             response_timeout,
+            connected: Instant::now(),
             timer: Box::pin(tokio::time::sleep(Duration::ZERO)),
             timer_armed: false,
         }
@@ -539,7 +546,7 @@ impl Connection {
             let from = state.expired;
             let mut expired = 0;
             for waiter in state.waiting.range_mut(from..) {
-                let due = waiter.queued + self.response_timeout;
+                let due = waiter.queued.max(self.connected) + self.response_timeout;
                 if due > now {
                     oldest = Some(due);
                     break;
