@@ -199,7 +199,9 @@ pub fn tcp_settings() -> redis::io::tcp::TcpSettings {
     redis::io::tcp::TcpSettings::default().set_nodelay(true)
 }
 
-/// A standalone server's connection info: `url` with [`tcp_settings`].
+/// A standalone server's connection info: `url` parsed (address,
+/// credentials, database), with [`tcp_settings`] as the redis crate would
+/// use them; our own connection ([`pipe`]) turns Nagle off itself.
 pub fn connection_info(url: &str) -> redis::RedisResult<redis::ConnectionInfo> {
     Ok(url.into_connection_info()?.set_tcp_settings(tcp_settings()))
 }

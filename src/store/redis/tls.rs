@@ -70,6 +70,7 @@ impl RedisTls {
             root_cert: self.ca.clone(),
         })
     }
+
     /// The rustls configuration of a connection ([`super::pipe`]): the CA
     /// file's certificates, or else the system's roots (read now, so a
     /// rotated store is seen by the next connection), and the client
@@ -78,17 +79,10 @@ impl RedisTls {
         let invalid = |what: &'static str, e: String| {
             RedisError::from((redis::ErrorKind::InvalidClientConfig, what, e))
         };
-        let mut roots = rustls::RootCertStore::empty();
-        match &self.ca {
-            Some(pem) => {
-                for cert in CertificateDer::pem_slice_iter(pem) {
-                    let cert = cert.map_err(|e| invalid("redis.tls_ca_file", e.to_string()))?;
-                    roots
-                        .add(cert)
-                        .map_err(|e| invalid("redis.tls_ca_file", e.to_string()))?;
-                }
-            }
+        let roots = match &self.ca {
+            Some(pem) => ca_roots(pem).map_err(|e| invalid("redis.tls_ca_file", e))?,
             None => {
+                let mut roots = rustls::RootCertStore::empty();
                 let native = rustls_native_certs::load_native_certs();
                 // Certificates the store holds that rustls cannot use are
                 // skipped, as a browser would; none usable is an error.
@@ -100,19 +94,20 @@ impl RedisTls {
                         errors.collect::<Vec<_>>().join("; "),
                     ));
                 }
+                roots
             }
-        }
+        };
         let builder = rustls::ClientConfig::builder_with_provider(Arc::new(provider()))
             .with_safe_default_protocol_versions()
             .map_err(|e| invalid("TLS versions", e.to_string()))?
             .with_root_certificates(roots);
         let config = match &self.client {
             Some(identity) => {
-                let chain = CertificateDer::pem_slice_iter(&identity.cert)
-                    .collect::<Result<Vec<_>, _>>()
-                    .map_err(|e| invalid("redis.tls_client_cert", e.to_string()))?;
-                let key = PrivateKeyDer::from_pem_slice(&identity.key)
-                    .map_err(|e| invalid("redis.tls_client_key", e.to_string()))?;
+                let (chain, key) =
+                    identity_parts(&identity.cert, &identity.key).map_err(|e| match e {
+                        IdentityError::Cert(e) => invalid("redis.tls_client_cert", e),
+                        IdentityError::Key(e) => invalid("redis.tls_client_key", e),
+                    })?;
                 builder
                     .with_client_auth_cert(chain, key)
                     .map_err(|e| invalid("redis.tls_client_key", e.to_string()))?
@@ -145,6 +140,12 @@ pub fn install_crypto_provider() {
 /// rustls can use as a trust anchor. The error says what is wrong (the
 /// caller names the field and the file).
 pub fn check_ca(pem: &[u8]) -> Result<(), String> {
+    ca_roots(pem).map(drop)
+}
+
+/// A CA file's certificates as trust anchors ([`check_ca`] at start-up,
+/// then each TLS connection).
+fn ca_roots(pem: &[u8]) -> Result<rustls::RootCertStore, String> {
     let mut roots = rustls::RootCertStore::empty();
     for (i, cert) in CertificateDer::pem_slice_iter(pem).enumerate() {
         let cert = cert.map_err(|e| format!("certificate {} is not valid PEM: {e}", i + 1))?;
@@ -155,7 +156,7 @@ pub fn check_ca(pem: &[u8]) -> Result<(), String> {
     if roots.is_empty() {
         return Err("holds no PEM certificate (-----BEGIN CERTIFICATE-----)".into());
     }
-    Ok(())
+    Ok(roots)
 }
 
 /// Which half of a client identity is at fault.
@@ -170,6 +171,18 @@ pub enum IdentityError {
 /// Checks a client certificate chain and key: PEM, a key rustls can sign
 /// with, and the key of the first certificate.
 pub fn check_identity(cert: &[u8], key: &[u8]) -> Result<(), IdentityError> {
+    let (chain, key) = identity_parts(cert, key)?;
+    rustls::sign::CertifiedKey::from_der(chain, key, &provider())
+        .map_err(|e| IdentityError::Key(format!("does not fit the certificate: {e}")))?;
+    Ok(())
+}
+
+/// A client identity's chain and key, parsed from PEM ([`check_identity`]
+/// at start-up, then each TLS connection).
+fn identity_parts(
+    cert: &[u8],
+    key: &[u8],
+) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), IdentityError> {
     let chain = CertificateDer::pem_slice_iter(cert)
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| IdentityError::Cert(format!("not valid PEM: {e}")))?;
@@ -184,9 +197,7 @@ pub fn check_identity(cert: &[u8], key: &[u8]) -> Result<(), IdentityError> {
         }
         e => IdentityError::Key(format!("not a valid PEM private key: {e}")),
     })?;
-    rustls::sign::CertifiedKey::from_der(chain, key, &provider())
-        .map_err(|e| IdentityError::Key(format!("does not fit the certificate: {e}")))?;
-    Ok(())
+    Ok((chain, key))
 }
 
 /// Whether `e` is a TLS failure (a certificate not trusted or not for this
