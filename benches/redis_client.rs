@@ -49,15 +49,10 @@ fn process_cpu() -> Duration {
 
 fn settings(url: &str) -> RedisSettings {
     RedisSettings {
-        urls: vec![url.to_owned()],
-        cluster: false,
         prefix: "bench:".to_owned(),
         connect_timeout: Duration::from_secs(2),
         response_timeout: Duration::from_secs(2),
-        retries: 1,
-        ttl_margin: Duration::from_secs(1),
-        topology_refresh: Duration::from_secs(1),
-        tls: Default::default(),
+        ..RedisSettings::new(vec![url.to_owned()], false)
     }
 }
 

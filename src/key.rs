@@ -30,9 +30,11 @@ impl BucketKey {
     pub fn hex(self) -> [u8; 32] {
         let mut hex = [0u8; 32];
         let digits = b"0123456789abcdef";
-        for (i, byte) in hex.iter_mut().enumerate() {
-            let nibble = (self.0 >> (124 - 4 * i)) & 0xf;
-            *byte = digits[nibble as usize];
+        // A byte at a time: shifting the u128 for each digit cost twice as
+        // many instructions (callgrind).
+        for (pair, byte) in hex.chunks_exact_mut(2).zip(self.0.to_be_bytes()) {
+            pair[0] = digits[usize::from(byte >> 4)];
+            pair[1] = digits[usize::from(byte & 0xf)];
         }
         hex
     }
@@ -116,6 +118,7 @@ mod tests {
         assert_eq!(cluster_slot(b"123456789"), 0x31C3);
         for key in [0, 1, 0xdead_beef, u128::MAX, 0x0123_4567_89ab_cdef << 64] {
             let key = BucketKey(key);
+            assert_eq!(&key.hex()[..], key.to_string().as_bytes());
             assert_eq!(
                 key.slot(),
                 cluster_slot(key.to_string().as_bytes()),

@@ -144,10 +144,25 @@ impl Policies {
 
     /// The policy for a route template and method, if any.
     pub fn find(&self, route: &str, method: &Method) -> Option<&Arc<RoutePolicy>> {
-        self.list.iter().find(|p| {
+        self.position(route, method).map(|i| &self.list[i])
+    }
+
+    /// Where in [`Policies::names`]' order the policy for a route template
+    /// and method is, if any.
+    pub fn position(&self, route: &str, method: &Method) -> Option<usize> {
+        self.list.iter().position(|p| {
             route.starts_with(p.route.as_str())
                 && (p.methods.is_empty() || p.methods.contains(method))
         })
+    }
+
+    /// The policy at `position`.
+    ///
+    /// # Panics
+    /// If `position` is out of range: it must come from
+    /// [`Policies::position`] on these policies.
+    pub fn get(&self, position: usize) -> &Arc<RoutePolicy> {
+        &self.list[position]
     }
 }
 

@@ -17,15 +17,11 @@ const T0: u64 = 1_800_000_000_000_000;
 
 fn settings(urls: Vec<String>, cluster: bool) -> RedisSettings {
     RedisSettings {
-        urls,
-        cluster,
         prefix: "test:".into(),
         connect_timeout: Duration::from_secs(2),
         response_timeout: Duration::from_secs(2),
         retries: 2,
-        ttl_margin: Duration::from_secs(1),
-        topology_refresh: Duration::from_secs(1),
-        tls: Default::default(),
+        ..RedisSettings::new(urls, cluster)
     }
 }
 

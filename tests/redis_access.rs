@@ -25,16 +25,11 @@ const HOUR: u64 = 3_600_000_000;
 /// `~rl:*`), with timeouts for a shared test machine.
 fn settings(urls: Vec<String>, cluster: bool) -> RedisSettings {
     RedisSettings {
-        urls,
-        cluster,
-        prefix: "rl:".into(),
         connect_timeout: Duration::from_secs(2),
         response_timeout: Duration::from_secs(2),
-        retries: 1,
         // Long: a test's keys must outlive a slow machine's pauses.
         ttl_margin: Duration::from_secs(60),
-        topology_refresh: Duration::from_secs(1),
-        tls: RedisTls::default(),
+        ..RedisSettings::new(urls, cluster)
     }
 }
 

@@ -10,15 +10,10 @@ use testkit::RedisServer;
 
 fn settings(url: String) -> RedisSettings {
     RedisSettings {
-        urls: vec![url],
-        cluster: false,
         prefix: "test:".into(),
         connect_timeout: Duration::from_millis(500),
         response_timeout: Duration::from_millis(300),
-        retries: 1,
-        ttl_margin: Duration::from_secs(1),
-        topology_refresh: Duration::from_secs(1),
-        tls: Default::default(),
+        ..RedisSettings::new(vec![url], false)
     }
 }
 

@@ -118,15 +118,10 @@ pub struct Side {
 /// measures cost, not latency) and the same TTL margin.
 pub(crate) fn bench_settings(url: &str, prefix: &str) -> RedisSettings {
     RedisSettings {
-        urls: vec![url.to_owned()],
-        cluster: false,
         prefix: prefix.to_owned(),
         connect_timeout: Duration::from_secs(2),
         response_timeout: Duration::from_secs(2),
-        retries: 1,
-        ttl_margin: Duration::from_secs(1),
-        topology_refresh: Duration::from_secs(1),
-        tls: Default::default(),
+        ..RedisSettings::new(vec![url.to_owned()], false)
     }
 }
 

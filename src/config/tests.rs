@@ -38,6 +38,11 @@ fn no_file_gives_the_documented_defaults() {
     assert_eq!(r.retries, 1);
     assert_eq!(r.ttl_margin, Duration::from_secs(1));
     assert_eq!(r.topology_refresh, Duration::from_secs(1));
+    assert_eq!(
+        *r,
+        crate::store::redis::RedisSettings::new(r.urls.clone(), false),
+        "RedisSettings::new is the file's defaults"
+    );
     // Failure: local share, 10 ms, one instance, 5 failures, 500 ms.
     let f = &c.failover;
     assert_eq!(f.mode, crate::store::FailureMode::Local);

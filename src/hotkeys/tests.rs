@@ -140,6 +140,33 @@ fn the_last_complete_window_names_the_hot_key_its_node_and_share() {
 }
 
 #[test]
+fn on_one_node_a_share_is_of_all_the_stores_calls() {
+    // The in-process store: no slots, every key on "memory". The one-node
+    // detector must report what a slotted one does for a store whose
+    // slot owner is always `None`, without counting by slot.
+    let slotted = detector(8, 3, AddressDisplay::Show);
+    let one = detector(8, 3, AddressDisplay::Show).one_node();
+    let policy: Arc<str> = Arc::from("api");
+    // Keys on both of `two_nodes`' halves: one node here all the same.
+    let (a, b) = (key_on(true, 1), key_on(false, 2));
+    for i in 0..300u64 {
+        let now = T0 + i * (10 * SECOND / 300);
+        let (key, who) = if i % 3 == 0 { (b, "b") } else { (a, "a") };
+        for hot in [&slotted, &one] {
+            hot.record(now, key, &policy, KeyKind::ApiKey, &tenant(who), i % 5 != 0);
+        }
+    }
+    let none = |_: u16| None;
+    let top = one.top(T0 + 10 * SECOND, &none);
+    assert_eq!(top, slotted.top(T0 + 10 * SECOND, &none));
+    assert_eq!(top[0].node.as_ref(), "memory");
+    let calls = (0..300u64).filter(|i| i % 5 != 0).count() as f64;
+    let a_calls = (0..300u64).filter(|i| i % 3 != 0 && i % 5 != 0).count() as f64;
+    assert!((top[0].node_share - a_calls / calls).abs() < 1e-9);
+    assert!((top[0].node_share + top[1].node_share - 1.0).abs() < 1e-9);
+}
+
+#[test]
 fn a_key_that_cooled_down_leaves_after_one_window() {
     let hot = detector(8, 3, AddressDisplay::Show);
     let policy: Arc<str> = Arc::from("api");

@@ -121,8 +121,23 @@ pub fn build_limiter(config: &Config, store: Arc<dyn Store>, clock: Arc<dyn Cloc
         getrandom::fill(&mut secret).expect("the OS random source is unavailable");
         secret
     });
-    let hot_keys = HotKeys::new(config.hot_keys).map(Arc::new);
-    limiter_with(config, KeyHasher::new(secret), store, clock, hot_keys)
+    limiter_with(
+        config,
+        KeyHasher::new(secret),
+        store,
+        clock,
+        hot_keys(config),
+    )
+}
+
+/// The hot-key detector `config` asks for: keys counted by Redis Cluster
+/// slot on a Redis backend, on one node for the in-process one.
+fn hot_keys(config: &Config) -> Option<Arc<HotKeys>> {
+    let hot = HotKeys::new(config.hot_keys)?;
+    Some(Arc::new(match config.backend {
+        Backend::Memory => hot.one_node(),
+        Backend::Naive | Backend::Lua => hot,
+    }))
 }
 
 /// The limiter the config describes, keying buckets with `hasher` (a
@@ -293,7 +308,7 @@ impl Reloader {
         let current = self.limiter.get();
         let hot_keys = match current.hot_keys() {
             Some(hot) if hot.settings() == new.hot_keys => Some(Arc::clone(hot)),
-            _ => HotKeys::new(new.hot_keys).map(Arc::new),
+            _ => hot_keys(&new),
         };
         self.limiter.replace(limiter_with(
             &new,

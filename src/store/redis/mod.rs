@@ -78,6 +78,27 @@ pub struct RedisSettings {
     pub tls: RedisTls,
 }
 
+impl RedisSettings {
+    /// `urls` (standalone, or a cluster's seeds) with the config file's
+    /// defaults for the rest: prefix `rl:`, 200 ms to connect, 50 ms per
+    /// answer, one retry, a TTL margin and topology refresh of 1 s, TLS
+    /// trusting the system's roots. Benches and tests change what they
+    /// need with `..RedisSettings::new(..)`.
+    pub fn new(urls: Vec<String>, cluster: bool) -> Self {
+        Self {
+            urls,
+            cluster,
+            prefix: "rl:".to_owned(),
+            connect_timeout: Duration::from_millis(200),
+            response_timeout: Duration::from_millis(50),
+            retries: 1,
+            ttl_margin: Duration::from_secs(1),
+            topology_refresh: Duration::from_secs(1),
+            tls: RedisTls::default(),
+        }
+    }
+}
+
 /// A standalone or cluster connection; both pipeline concurrent callers.
 /// [`RedisConnection::call`] sends a command; the redis crate's
 /// `ConnectionLike` (`query_async`, pipelines, `Script::load_async`) works
