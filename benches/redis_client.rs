@@ -14,9 +14,10 @@
 //! not wall time: encoding the EVALSHA, the multiplexed connection's
 //! driver, the socket syscalls, decoding the reply, the futures. The
 //! runtime is tokio's current-thread one, so that is all one thread's work.
-//! Two depths: `1_in_flight` (each check waits for its answer: every check
-//! pays its own write and read syscalls) and `16_in_flight` (16 concurrent
-//! checks pipelined on the one connection, as under load).
+//! Three depths: `1_in_flight` (each check waits for its answer: every
+//! check pays its own write and read syscalls), `16_in_flight` and
+//! `64_in_flight` (that many concurrent checks pipelined on the one
+//! connection, as under load: a batch shares one write and one read).
 //!
 //! Redis's side over the same window (warm-up included, as for ours):
 //! `INFO commandstats` (`usec` per EVALSHA: the script's own time) and
@@ -127,7 +128,7 @@ fn redis_client(c: &mut Criterion) {
     group
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(5));
-    for depth in [1u64, 16] {
+    for depth in [1u64, 16, 64] {
         let name = format!("{depth}_in_flight");
         let before = runtime.block_on(server_stats(&mut admin));
         let (mut client, mut checks) = (Duration::ZERO, 0u64);
