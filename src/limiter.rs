@@ -71,10 +71,24 @@ pub enum Outcome {
     },
 }
 
-/// The policy that limits a request, as [`Limiter::limiting`] found it:
-/// its position in that limiter's policies.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Limiting(usize);
+/// A limiter and the policy of its that limits a request, as
+/// [`Limiter::limiting`] found it: [`Limiting::check`] decides the request
+/// without looking the policy up again. The two travel together, so a
+/// policy found in one generation of the config is never applied with
+/// another's (a reload can reorder the policies).
+#[derive(Debug, Clone)]
+pub struct Limiting {
+    limiter: Arc<Limiter>,
+    /// In `limiter`'s policies (and its metrics).
+    position: usize,
+}
+
+impl Limiting {
+    /// Decide the request under this policy.
+    pub async fn check(&self, headers: &HeaderMap, peer: Option<IpAddr>) -> Outcome {
+        self.limiter.check_at(self.position, headers, peer).await
+    }
+}
 
 /// Identity + policy + store. Shared by every request (`Arc`).
 #[derive(Debug)]
@@ -154,8 +168,13 @@ impl Drop for InFlight<'_> {
     }
 }
 
-/// The `decision` label of `ratelimit_decisions_total`.
+/// The `decision` label of `ratelimit_decisions_total`, by the indices
+/// below.
 const DECISIONS: [&str; 4] = ["allowed", "denied", "shadow_denied", "unavailable"];
+const ALLOWED: usize = 0;
+const DENIED: usize = 1;
+const SHADOW_DENIED: usize = 2;
+const UNAVAILABLE: usize = 3;
 /// The `key_kind` label, by [`kind_index`].
 const KINDS: [KeyKind; 3] = [KeyKind::ApiKey, KeyKind::Ip, KeyKind::UnknownApiKey];
 /// The `source` label: a [`Source`], or no decision.
@@ -348,23 +367,31 @@ impl Limiter {
         self.store.backend()
     }
 
-    /// The policy that limits a request to `route` by `method`, or `None`
-    /// where no policy applies or the policy is unlimited, which
-    /// [`Limiter::check`] answers [`Outcome::Unlimited`] at once, counting
-    /// nothing. The front service asks first, so such a request costs no
-    /// check future, and then decides with [`Limiter::check_under`]: the
-    /// policy is looked up once.
-    pub fn limiting(&self, route: &str, method: &Method) -> Option<Limiting> {
-        self.policies
-            .position(route, method)
-            .filter(|&i| !self.policies.get(i).is_unlimited())
-            .map(Limiting)
+    /// The policy that limits a request to `route` by `method`, with this
+    /// limiter, or `None` where no policy applies or the policy is
+    /// unlimited, which [`Limiter::check`] answers [`Outcome::Unlimited`]
+    /// at once, counting nothing. The front service asks first, so such a
+    /// request costs no check future, and then decides with
+    /// [`Limiting::check`]: the policy is looked up once.
+    pub fn limiting(self: Arc<Self>, route: &str, method: &Method) -> Option<Limiting> {
+        let position = self.position(route, method)?;
+        Some(Limiting {
+            limiter: self,
+            position,
+        })
     }
 
     /// Whether [`Limiter::check`] would decide a request to `route` by
     /// `method` at all (see [`Limiter::limiting`]).
     pub fn decides(&self, route: &str, method: &Method) -> bool {
-        self.limiting(route, method).is_some()
+        self.position(route, method).is_some()
+    }
+
+    /// Where the policy limiting `route` by `method` is, if one does.
+    fn position(&self, route: &str, method: &Method) -> Option<usize> {
+        self.policies
+            .position(route, method)
+            .filter(|&i| !self.policies.get(i).is_unlimited())
     }
 
     /// Decide a request to `route` (a route template) by `method`.
@@ -375,25 +402,24 @@ impl Limiter {
         headers: &HeaderMap,
         peer: Option<IpAddr>,
     ) -> Outcome {
-        match self.limiting(route, method) {
-            Some(limiting) => self.check_under(limiting, headers, peer).await,
+        match self.position(route, method) {
+            Some(position) => self.check_at(position, headers, peer).await,
             // Unlimited routes do not even look at identifying headers.
             None => Outcome::Unlimited,
         }
     }
 
-    /// Decide a request under the policy [`Limiter::limiting`] found: by
-    /// this limiter, not another generation's (a reload can reorder the
-    /// policies; the front service takes one limiter per request).
-    pub async fn check_under(
+    /// Decide a request under the policy at `position`, from
+    /// [`Limiter::position`] on this limiter.
+    async fn check_at(
         &self,
-        limiting: Limiting,
+        position: usize,
         headers: &HeaderMap,
         peer: Option<IpAddr>,
     ) -> Outcome {
-        let policy = self.policies.get(limiting.0);
+        let policy = self.policies.get(position);
         let outcome = self
-            .decide(policy, &self.metrics.policies[limiting.0], headers, peer)
+            .decide(policy, &self.metrics.policies[position], headers, peer)
             .await;
         if !policy.shadow {
             return outcome;
@@ -490,9 +516,9 @@ impl Limiter {
                 ..
             }) => {
                 count(match (decision.allowed, policy.shadow) {
-                    (true, _) => 0,
-                    (false, false) => 1,
-                    (false, true) => 2,
+                    (true, _) => ALLOWED,
+                    (false, false) => DENIED,
+                    (false, true) => SHADOW_DENIED,
                 });
                 if decision.allowed
                     && (decision.remaining as f64)
@@ -509,11 +535,11 @@ impl Limiter {
                 }
             }
             Ok(Checked { decision: None, .. }) => {
-                count(0);
+                count(ALLOWED);
                 Outcome::FailedOpen { policy }
             }
             Err(StoreError::Unavailable { retry_after }) => {
-                count(3);
+                count(UNAVAILABLE);
                 Outcome::Unavailable {
                     policy,
                     retry_after,
@@ -529,19 +555,45 @@ impl Limiter {
 mod tests {
     use super::*;
 
-    #[test]
-    fn label_indices_name_the_labels_they_stand_for() {
-        for (i, kind) in KINDS.into_iter().enumerate() {
-            assert_eq!(kind_index(kind), i);
+    /// Every key kind. The match fails to compile when a kind is added,
+    /// until it is listed here too, and so tested below.
+    fn every_kind() -> [KeyKind; 3] {
+        match KeyKind::Ip {
+            KeyKind::ApiKey | KeyKind::Ip | KeyKind::UnknownApiKey => {}
         }
-        for source in [
+        [KeyKind::ApiKey, KeyKind::Ip, KeyKind::UnknownApiKey]
+    }
+
+    /// Every source, likewise.
+    fn every_source() -> [Source; 6] {
+        match Source::Redis {
+            Source::Redis
+            | Source::Memory
+            | Source::Local
+            | Source::FailOpen
+            | Source::DenyCache
+            | Source::Lease => {}
+        }
+        [
             Source::Redis,
             Source::Memory,
             Source::Local,
             Source::FailOpen,
             Source::DenyCache,
             Source::Lease,
-        ] {
+        ]
+    }
+
+    #[test]
+    fn label_indices_name_the_labels_they_stand_for() {
+        for kind in every_kind() {
+            assert_eq!(KINDS[kind_index(kind)], kind);
+        }
+        assert_eq!(
+            [ALLOWED, DENIED, SHADOW_DENIED, UNAVAILABLE].map(|d| DECISIONS[d]),
+            ["allowed", "denied", "shadow_denied", "unavailable"]
+        );
+        for source in every_source() {
             let checked = Ok(Checked {
                 decision: None,
                 limit: Limit::per_second(1, 1).unwrap(),

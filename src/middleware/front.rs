@@ -29,7 +29,7 @@ use super::Verdict;
 use super::routes::{Route, Routes};
 use crate::config::HttpConfig;
 use crate::headers::Problem;
-use crate::limiter::{CurrentLimiter, Limiter, Limiting};
+use crate::limiter::{CurrentLimiter, Limiting};
 use crate::telemetry::http::{Durations, UNMATCHED, end_server_span, method_label, server_span};
 use axum::Router;
 use axum::body::Body;
@@ -128,15 +128,14 @@ impl Front {
             return answer;
         }
         let timeout = self.shared.request_timeout;
-        let limiter = route.limited.then(|| self.shared.limiter.get());
-        let limiting = limiter.and_then(|limiter| {
-            let limiting = limiter.limiting(route.template, request.method())?;
-            Some((limiter, limiting))
-        });
-        let answered = if let Some((limiter, limiting)) = limiting {
+        let limiting = route
+            .limited
+            .then(|| self.shared.limiter.get())
+            .and_then(|limiter| limiter.limiting(route.template, request.method()));
+        let answered = if let Some(limiting) = limiting {
             // Boxed: the check is most of this future's size, and hyper
             // moves the request's future, whole, more than once.
-            let mut work = Box::pin(self.limit_then_call(limiter, limiting, request));
+            let mut work = Box::pin(self.limit_then_call(limiting, request));
             within(timeout, work.as_mut()).await
         } else {
             let work = std::pin::pin!(self.router.call(request));
@@ -149,17 +148,12 @@ impl Front {
         }
     }
 
-    async fn limit_then_call(
-        &mut self,
-        limiter: Arc<Limiter>,
-        limiting: Limiting,
-        request: Request<Body>,
-    ) -> Response {
+    async fn limit_then_call(&mut self, limiting: Limiting, request: Request<Body>) -> Response {
         let peer = request
             .extensions()
             .get::<ConnectInfo<SocketAddr>>()
             .map(|c| c.0.ip());
-        let outcome = limiter.check_under(limiting, request.headers(), peer).await;
+        let outcome = limiting.check(request.headers(), peer).await;
         match Verdict::from(outcome) {
             Verdict::Answer(response) => response,
             Verdict::Pass(fields) => {

@@ -121,22 +121,21 @@ pub fn build_limiter(config: &Config, store: Arc<dyn Store>, clock: Arc<dyn Cloc
         getrandom::fill(&mut secret).expect("the OS random source is unavailable");
         secret
     });
-    limiter_with(
-        config,
-        KeyHasher::new(secret),
-        store,
-        clock,
-        hot_keys(config),
-    )
+    let hot_keys = hot_keys(config, &*store);
+    limiter_with(config, KeyHasher::new(secret), store, clock, hot_keys)
 }
 
-/// The hot-key detector `config` asks for: keys counted by Redis Cluster
-/// slot on a Redis backend, on one node for the in-process one.
-fn hot_keys(config: &Config) -> Option<Arc<HotKeys>> {
+/// The hot-key detector `config` asks for, for `store`: keys counted by
+/// Redis Cluster slot where the store says which node serves a slot (the
+/// Redis backends), on one node where it says none (the in-process one).
+/// Asked of the store rather than the config, so a stack assembled by hand
+/// (a test's) is counted as what it is.
+fn hot_keys(config: &Config, store: &dyn Store) -> Option<Arc<HotKeys>> {
     let hot = HotKeys::new(config.hot_keys)?;
-    Some(Arc::new(match config.backend {
-        Backend::Memory => hot.one_node(),
-        Backend::Naive | Backend::Lua => hot,
+    Some(Arc::new(if store.slot_owner(0).is_none() {
+        hot.one_node()
+    } else {
+        hot
     }))
 }
 
@@ -308,7 +307,7 @@ impl Reloader {
         let current = self.limiter.get();
         let hot_keys = match current.hot_keys() {
             Some(hot) if hot.settings() == new.hot_keys => Some(Arc::clone(hot)),
-            _ => hot_keys(&new),
+            _ => hot_keys(&new, &*self.store),
         };
         self.limiter.replace(limiter_with(
             &new,

@@ -325,7 +325,12 @@ async fn open(settings: &PipeSettings) -> RedisResult<Box<dyn Io>> {
     };
     let tcp = connect_tcp(host, port).await?;
     let mut stream: Box<dyn Io> = if tls {
-        let config = settings.tls.client_config()?;
+        // Off the runtime's threads: the system's roots are files read
+        // (and the PEM parsed) at each connection attempt.
+        let tls_settings = settings.tls.clone();
+        let config = tokio::task::spawn_blocking(move || tls_settings.client_config())
+            .await
+            .map_err(|e| io::Error::other(e.to_string()))??;
         let name = rustls::pki_types::ServerName::try_from(host.clone()).map_err(|e| {
             RedisError::from((
                 ErrorKind::InvalidClientConfig,
