@@ -1,8 +1,8 @@
-//! The hot-key detector on a real Redis Cluster, read from `/metrics` as
-//! Prometheus reads it: the hottest key named by tenant (or address), with
-//! the slot its Redis key really hashes to, the node that really serves that
-//! slot, and its share of that node's calls; and the signal for a proxy
-//! that is not trusted.
+//! The hot-key detector on a real Redis Cluster (and on the memory
+//! backend), read from `/metrics` as Prometheus reads it: the hottest key
+//! named by tenant (or address), with the slot its Redis key really hashes
+//! to, the node that really serves that slot, and its share of that node's
+//! calls; and the signal for a proxy that is not trusted.
 
 mod support;
 
@@ -185,6 +185,59 @@ async fn the_hot_key_is_named_with_the_slot_and_node_that_really_hold_it() {
         .await
         .unwrap();
     assert!(samples(&text, "ratelimit_hot_key_checks_per_second").is_empty());
+    server.shutdown().await;
+}
+
+/// On the memory backend every key lives on one node, `memory`: a key's
+/// share is of all the instance's store calls, whatever its slot (the
+/// detector counts no slots there).
+#[tokio::test]
+async fn on_the_memory_backend_a_share_is_of_all_the_instances_calls() {
+    let clock = Arc::new(ManualClock::new(T0));
+    let config = r#"
+        backend = "memory"
+        key_secret = "hot-keys-test-secret"
+        [hot_keys]
+        tracked = 16
+        top = 3
+        [[api_keys]]
+        id = "tenant-hot"
+        key = "key-hot"
+        [[api_keys]]
+        id = "tenant-cold"
+        key = "key-cold"
+        [[policies]]
+        name = "api"
+        route = "/api/"
+        burst = 1000
+        rate = 1000
+        "#;
+    let server = TestServer::start(config, clock.clone()).await;
+    let http = client();
+    for (key, n) in [("key-hot", 60), ("key-cold", 20)] {
+        for _ in 0..n {
+            let r = server.get(&http, "/api/items", &[("x-api-key", key)]).await;
+            assert_eq!(r.status(), 200);
+        }
+    }
+    clock.advance(10_000_000);
+    let text = server
+        .get(&http, "/metrics", &[])
+        .await
+        .text()
+        .await
+        .unwrap();
+    let shares = samples(&text, "ratelimit_hot_key_node_share");
+    let by_key: BTreeMap<&str, (&str, f64)> = shares
+        .iter()
+        .map(|(l, v)| (l["key"].as_str(), (l["node"].as_str(), *v)))
+        .collect();
+    assert_eq!(by_key.len(), 2, "{text}");
+    assert_eq!(by_key["tenant-hot"], ("memory", 0.75), "{text}");
+    assert_eq!(by_key["tenant-cold"], ("memory", 0.25), "{text}");
+    let calls = samples(&text, "ratelimit_hot_key_store_calls_per_second");
+    let rates: Vec<f64> = calls.iter().map(|(_, v)| *v).collect();
+    assert_eq!(rates, [6.0, 2.0], "every check was the store's: {text}");
     server.shutdown().await;
 }
 
