@@ -148,39 +148,38 @@ pub struct HotKey {
 }
 
 impl HotKeys {
-    /// A detector with `settings`; `None` when `tracked` is 0.
+    /// A detector with `settings`, counting store calls by Redis Cluster
+    /// slot; `None` when `tracked` is 0.
     pub fn new(settings: HotKeySettings) -> Option<Self> {
+        Self::counting(settings, true)
+    }
+
+    /// A detector for a store with one node, the in-process one (whose
+    /// `slot_owner` is always `None`): a key's share is of all the store's
+    /// calls, and no check computes its key's slot (a CRC16 over its 32 hex
+    /// digits: about 350 instructions a check, callgrind). `None` when
+    /// `tracked` is 0.
+    pub fn on_one_node(settings: HotKeySettings) -> Option<Self> {
+        Self::counting(settings, false)
+    }
+
+    fn counting(settings: HotKeySettings, slotted: bool) -> Option<Self> {
         if settings.tracked == 0 {
             return None;
         }
         let window_us = u64::try_from(settings.window.as_micros())
             .unwrap_or(u64::MAX)
             .max(1);
+        let slots = if slotted { SLOTS } else { 1 };
         Some(Self {
             settings,
-            slotted: true,
+            slotted,
             window_us,
             windows: Mutex::new(Windows {
-                current: Window::new(0, settings.tracked, SLOTS),
-                last: Window::new(0, settings.tracked, SLOTS),
+                current: Window::new(0, settings.tracked, slots),
+                last: Window::new(0, settings.tracked, slots),
             }),
         })
-    }
-
-    /// The same detector for a store with one node, the in-process one
-    /// (whose `slot_owner` is always `None`): a key's share is of all the
-    /// store's calls, and no check computes its key's slot (a CRC16 over
-    /// its 32 hex digits: about 350 instructions a check, callgrind).
-    pub fn one_node(self) -> Self {
-        let tracked = self.settings.tracked;
-        Self {
-            slotted: false,
-            windows: Mutex::new(Windows {
-                current: Window::new(0, tracked, 1),
-                last: Window::new(0, tracked, 1),
-            }),
-            ..self
-        }
     }
 
     /// The settings it runs with.

@@ -57,14 +57,18 @@ proptest! {
 const SECOND: Micros = 1_000_000;
 const T0: Micros = 1_800_000_000 * SECOND;
 
-fn detector(tracked: usize, top: usize, addresses: AddressDisplay) -> HotKeys {
-    HotKeys::new(HotKeySettings {
+/// Settings with a 10 s window.
+fn settings(tracked: usize, top: usize, addresses: AddressDisplay) -> HotKeySettings {
+    HotKeySettings {
         tracked,
         top,
         window: Duration::from_secs(10),
         addresses,
-    })
-    .unwrap()
+    }
+}
+
+fn detector(tracked: usize, top: usize, addresses: AddressDisplay) -> HotKeys {
+    HotKeys::new(settings(tracked, top, addresses)).unwrap()
 }
 
 fn tenant(name: &str) -> Identity {
@@ -145,7 +149,7 @@ fn on_one_node_a_share_is_of_all_the_stores_calls() {
     // detector must report what a slotted one does for a store whose
     // slot owner is always `None`, without counting by slot.
     let slotted = detector(8, 3, AddressDisplay::Show);
-    let one = detector(8, 3, AddressDisplay::Show).one_node();
+    let one = HotKeys::on_one_node(settings(8, 3, AddressDisplay::Show)).unwrap();
     let policy: Arc<str> = Arc::from("api");
     // Keys on both of `two_nodes`' halves: one node here all the same.
     let (a, b) = (key_on(true, 1), key_on(false, 2));

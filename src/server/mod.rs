@@ -131,12 +131,12 @@ pub fn build_limiter(config: &Config, store: Arc<dyn Store>, clock: Arc<dyn Cloc
 /// Asked of the store rather than the config, so a stack assembled by hand
 /// (a test's) is counted as what it is.
 fn hot_keys(config: &Config, store: &dyn Store) -> Option<Arc<HotKeys>> {
-    let hot = HotKeys::new(config.hot_keys)?;
-    Some(Arc::new(if store.slot_owner(0).is_none() {
-        hot.one_node()
+    let hot = if store.slot_owner(0).is_none() {
+        HotKeys::on_one_node(config.hot_keys)
     } else {
-        hot
-    }))
+        HotKeys::new(config.hot_keys)
+    };
+    hot.map(Arc::new)
 }
 
 /// The limiter the config describes, keying buckets with `hasher` (a
