@@ -86,12 +86,7 @@ async fn the_hot_key_is_named_with_the_slot_and_node_that_really_hold_it() {
             assert_eq!(r.status(), 200);
         }
         if untrusted_before.is_none() {
-            let text = server
-                .get(&http, "/metrics", &[])
-                .await
-                .text()
-                .await
-                .unwrap();
+            let text = server.metrics(&http).await;
             untrusted_before = Some(support::metric(
                 &text,
                 "ratelimit_untrusted_forwarded_total",
@@ -100,23 +95,13 @@ async fn the_hot_key_is_named_with_the_slot_and_node_that_really_hold_it() {
         }
     }
     // Still inside the first window: nothing complete to show yet.
-    let text = server
-        .get(&http, "/metrics", &[])
-        .await
-        .text()
-        .await
-        .unwrap();
+    let text = server.metrics(&http).await;
     assert!(
         samples(&text, "ratelimit_hot_key_checks_per_second").is_empty(),
         "{text}"
     );
     clock.advance(10_000_000);
-    let text = server
-        .get(&http, "/metrics", &[])
-        .await
-        .text()
-        .await
-        .unwrap();
+    let text = server.metrics(&http).await;
 
     assert_eq!(
         support::metric(&text, "ratelimit_untrusted_forwarded_total", &[])
@@ -178,12 +163,7 @@ async fn the_hot_key_is_named_with_the_slot_and_node_that_really_hold_it() {
 
     // A window later with no traffic, the list is empty again.
     clock.advance(10_000_000);
-    let text = server
-        .get(&http, "/metrics", &[])
-        .await
-        .text()
-        .await
-        .unwrap();
+    let text = server.metrics(&http).await;
     assert!(samples(&text, "ratelimit_hot_key_checks_per_second").is_empty());
     server.shutdown().await;
 }
@@ -221,12 +201,7 @@ async fn on_the_memory_backend_a_share_is_of_all_the_instances_calls() {
         }
     }
     clock.advance(10_000_000);
-    let text = server
-        .get(&http, "/metrics", &[])
-        .await
-        .text()
-        .await
-        .unwrap();
+    let text = server.metrics(&http).await;
     let shares = samples(&text, "ratelimit_hot_key_node_share");
     let by_key: BTreeMap<&str, (&str, f64)> = shares
         .iter()
@@ -416,12 +391,7 @@ async fn a_sharded_key_spreads_over_the_nodes_and_admits_one_burst() {
     assert_eq!(keys, 3 + 1, "three sub-buckets and one plain bucket");
 
     clock.advance(10_000_000);
-    let text = server
-        .get(&http, "/metrics", &[])
-        .await
-        .text()
-        .await
-        .unwrap();
+    let text = server.metrics(&http).await;
     let checks = samples(&text, "ratelimit_hot_key_checks_per_second");
     let hot: Vec<_> = checks
         .iter()

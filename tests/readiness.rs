@@ -83,12 +83,7 @@ async fn readiness_reports_the_fallback_share_after_the_breaker_closes() {
     // 30 of 41 checks, as the window weighs them (it may have moved on).
     assert!((0.5..=0.8).contains(&share), "{ready}");
     assert!(ready["breaker_opens"].as_u64().unwrap() >= 1, "{ready}");
-    let metrics = server
-        .get(&http, "/metrics", &[])
-        .await
-        .text()
-        .await
-        .unwrap();
+    let metrics = server.metrics(&http).await;
     let gauge = support::metric(&metrics, "ratelimit_fallback_share", &[]);
     assert!(
         (0.5..=0.8).contains(&gauge),

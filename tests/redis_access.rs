@@ -619,12 +619,7 @@ async fn the_service_runs_on_the_readme_acl_and_names_a_refusal_noperm() {
 /// Decisions of the `acl-api` policy from Redis and from the local share,
 /// and the store errors counted as `noperm`.
 async fn acl_metrics(server: &support::TestServer, http: &reqwest::Client) -> (f64, f64, f64) {
-    let text = server
-        .get(http, "/metrics", &[])
-        .await
-        .text()
-        .await
-        .unwrap();
+    let text = server.metrics(http).await;
     let decisions = |source| {
         support::metric(
             &text,

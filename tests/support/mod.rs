@@ -57,6 +57,11 @@ impl TestServer {
         request.send().await.unwrap()
     }
 
+    /// The text of `/metrics`.
+    pub async fn metrics(&self, http: &reqwest::Client) -> String {
+        self.get(http, "/metrics", &[]).await.text().await.unwrap()
+    }
+
     /// Stops gracefully and waits for the server to finish.
     pub async fn shutdown(mut self) {
         if let Some(stop) = self.stop.take() {
