@@ -16,7 +16,7 @@
 
 use crate::algorithm::{Decision, Limit};
 use axum::response::{IntoResponse, Response};
-use bytes::BytesMut;
+use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use std::time::Duration;
 
@@ -31,9 +31,9 @@ pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-poli
 /// `RateLimit` (draft-10 structured field).
 pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 
-/// Whole seconds, rounded up.
+/// Whole seconds, rounded up (at most `u64::MAX`).
 pub fn ceil_secs(d: Duration) -> u64 {
-    d.as_secs() + u64::from(d.subsec_nanos() > 0)
+    d.as_secs().saturating_add(u64::from(d.subsec_nanos() > 0))
 }
 
 /// The `Retry-After` value for a denial: rounded up, never 0.
@@ -47,14 +47,37 @@ pub fn retry_after_secs(decision: &Decision) -> u64 {
 /// of their own to build, hash and merge.
 ///
 /// Every value is written into one buffer, digits by `itoa`, and each
-/// header value is a slice of it: one allocation for the five or six
-/// values. (A profile of the limited route showed a `String` per
-/// `format!`, a `Bytes` per value and the `fmt` machinery under them.)
+/// header value is a slice of it. The buffer is held inline in the one
+/// allocation that also holds its reference count (`Bytes::from_owner`),
+/// so the five or six values cost one allocation. (A profile of the
+/// limited route showed a `String` per `format!`, a `Bytes` per value and
+/// the `fmt` machinery under them; then, with one `Vec`, a second
+/// allocation when its `Bytes` was first sliced.)
 #[derive(Debug, Clone, Default)]
 pub struct RateLimitFields {
     /// By [`RateLimitFields::NAMES`]; `None` for a value that is no
     /// header value, and `Retry-After` for an admitted request.
     values: [Option<HeaderValue>; 6],
+}
+
+/// The longest policy name the inline buffer takes (config validation's
+/// limit); a longer one is written into a `Vec`.
+const INLINE_NAME: usize = 64;
+
+/// Bytes enough for every value: eight numbers of at most 20 digits, and
+/// the two structured fields' nine bytes of syntax around the name.
+const INLINE: usize = 8 * 20 + 2 * (9 + INLINE_NAME);
+
+/// The values' bytes, owned by the `Bytes` they are sliced from.
+struct Inline {
+    bytes: [u8; INLINE],
+    len: usize,
+}
+
+impl AsRef<[u8]> for Inline {
+    fn as_ref(&self) -> &[u8] {
+        &self.bytes[..self.len]
+    }
 }
 
 impl RateLimitFields {
@@ -73,38 +96,26 @@ impl RateLimitFields {
     /// `policy` must be a valid structured-field string body (config
     /// validation ensures names are `[A-Za-z0-9_.-]`).
     pub fn new(policy: &str, limit: &Limit, decision: &Decision) -> Self {
-        let mut buf = BytesMut::with_capacity(128 + 2 * policy.len());
-        let mut digits = itoa::Buffer::new();
-        let mut num =
-            |buf: &mut BytesMut, n: u64| buf.extend_from_slice(digits.format(n).as_bytes());
-        let mut ends = [0usize; 6];
-        num(&mut buf, decision.limit);
-        ends[0] = buf.len();
-        num(&mut buf, decision.remaining);
-        ends[1] = buf.len();
-        num(&mut buf, ceil_secs(decision.reset));
-        ends[2] = buf.len();
-        // `"<policy>";q=<burst>;w=<seconds to refill>`
-        buf.extend_from_slice(b"\"");
-        buf.extend_from_slice(policy.as_bytes());
-        buf.extend_from_slice(b"\";q=");
-        num(&mut buf, limit.burst());
-        buf.extend_from_slice(b";w=");
-        num(&mut buf, ceil_secs(limit.refill_time()));
-        ends[3] = buf.len();
-        // `"<policy>";r=<remaining>;t=<seconds until admitted>`
-        buf.extend_from_slice(b"\"");
-        buf.extend_from_slice(policy.as_bytes());
-        buf.extend_from_slice(b"\";r=");
-        num(&mut buf, decision.remaining);
-        buf.extend_from_slice(b";t=");
-        num(&mut buf, ceil_secs(decision.retry_after));
-        ends[4] = buf.len();
-        if !decision.allowed {
-            num(&mut buf, retry_after_secs(decision));
-        }
-        ends[5] = buf.len();
-        let bytes = buf.freeze();
+        let (bytes, ends) = if policy.len() <= INLINE_NAME {
+            let mut inline = Inline {
+                bytes: [0; INLINE],
+                len: 0,
+            };
+            let ends = Self::write(policy, limit, decision, |part| {
+                let end = inline.len + part.len();
+                inline.bytes[inline.len..end].copy_from_slice(part);
+                inline.len = end;
+                end
+            });
+            (Bytes::from_owner(inline), ends)
+        } else {
+            let mut buf = Vec::new();
+            let ends = Self::write(policy, limit, decision, |part| {
+                buf.extend_from_slice(part);
+                buf.len()
+            });
+            (Bytes::from(buf), ends)
+        };
         // Digits always make a header value; the two structured fields do
         // for a validated name.
         let values = std::array::from_fn(|i| {
@@ -115,6 +126,42 @@ impl RateLimitFields {
             HeaderValue::from_maybe_shared(bytes.slice(start..ends[i])).ok()
         });
         Self { values }
+    }
+
+    /// Writes the values one after another through `push`, which appends
+    /// a part and returns the length so far; returns where each value
+    /// ends, by [`RateLimitFields::NAMES`].
+    fn write(
+        policy: &str,
+        limit: &Limit,
+        decision: &Decision,
+        mut push: impl FnMut(&[u8]) -> usize,
+    ) -> [usize; 6] {
+        let mut digits = itoa::Buffer::new();
+        let mut ends = [0usize; 6];
+        ends[0] = push(digits.format(decision.limit).as_bytes());
+        ends[1] = push(digits.format(decision.remaining).as_bytes());
+        ends[2] = push(digits.format(ceil_secs(decision.reset)).as_bytes());
+        // `"<policy>";q=<burst>;w=<seconds to refill>`
+        push(b"\"");
+        push(policy.as_bytes());
+        push(b"\";q=");
+        push(digits.format(limit.burst()).as_bytes());
+        push(b";w=");
+        ends[3] = push(digits.format(ceil_secs(limit.refill_time())).as_bytes());
+        // `"<policy>";r=<remaining>;t=<seconds until admitted>`
+        push(b"\"");
+        push(policy.as_bytes());
+        push(b"\";r=");
+        push(digits.format(decision.remaining).as_bytes());
+        push(b";t=");
+        ends[4] = push(digits.format(ceil_secs(decision.retry_after)).as_bytes());
+        ends[5] = if decision.allowed {
+            ends[4]
+        } else {
+            push(digits.format(retry_after_secs(decision)).as_bytes())
+        };
+        ends
     }
 
     /// Sets these fields in `headers` (replacing any the API set).
@@ -283,6 +330,34 @@ mod tests {
             get(&rate_limit_headers("p", &odd, &d), "ratelimit-policy"),
             "\"p\";q=5;w=8"
         );
+    }
+
+    /// The longest values fit the inline buffer: the longest valid name and
+    /// every number at its widest, denied (six values); a longer name
+    /// than validation allows goes to the `Vec` and comes out the same.
+    #[test]
+    fn the_widest_values_fit_and_a_longer_name_still_works() {
+        // The widest limit a policy may have (burst x period = 2^52 us).
+        let limit = Limit::new(1 << 32, 1, Duration::from_micros(1 << 20)).unwrap();
+        let d = Decision {
+            allowed: false,
+            limit: u64::MAX,
+            remaining: u64::MAX,
+            retry_after: Duration::MAX,
+            reset: Duration::MAX,
+        };
+        let widest = u64::MAX.to_string();
+        for name in ["n".repeat(INLINE_NAME), "n".repeat(INLINE_NAME + 1)] {
+            let h = rate_limit_headers(&name, &limit, &d);
+            assert_eq!(get(&h, "ratelimit-limit"), widest);
+            assert_eq!(get(&h, "ratelimit-remaining"), widest);
+            assert_eq!(get(&h, "ratelimit-reset"), widest);
+            assert_eq!(get(&h, "retry-after"), widest);
+            let policy = get(&h, "ratelimit-policy");
+            assert!(policy.starts_with(&format!("\"{name}\";q=")), "{policy}");
+            let field = get(&h, "ratelimit");
+            assert_eq!(field, format!("\"{name}\";r={widest};t={widest}"));
+        }
     }
 
     #[test]

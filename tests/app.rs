@@ -10,7 +10,7 @@ use ratelimiter::clock::ManualClock;
 use ratelimiter::config::Config;
 use ratelimiter::middleware::Front;
 use ratelimiter::server::{in_process_stack, shared_stack, state_with_stack};
-use ratelimiter::store::{BoxFuture, Check, Checked, MemoryStore, Store, StoreError};
+use ratelimiter::store::{BoxFuture, Check, CheckFuture, MemoryStore, Store, StoreError};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tower::ServiceExt;
@@ -272,7 +272,7 @@ fn refused() -> StoreError {
 }
 
 impl Store for BrokenStore {
-    fn check(&self, check: Check) -> BoxFuture<'_, Result<Checked, StoreError>> {
+    fn check(&self, check: Check) -> CheckFuture<'_> {
         let error = if self.config_error {
             CostExceedsBurst {
                 cost: check.cost,
@@ -282,7 +282,7 @@ impl Store for BrokenStore {
         } else {
             refused()
         };
-        Box::pin(std::future::ready(Err(error)))
+        CheckFuture::ready(Err(error))
     }
 
     fn backend(&self) -> &'static str {

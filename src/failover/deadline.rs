@@ -20,7 +20,7 @@
 //! that fails or outlasts its allowance as the store failing. The request
 //! itself was decided at the deadline either way.
 
-use crate::store::{BoxFuture, Check, Checked, Late, Store, StoreError};
+use crate::store::{BoxFuture, Check, CheckFuture, Late, Store, StoreError};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -55,11 +55,11 @@ impl<S> Deadline<S> {
 }
 
 impl<S: Store> Store for Deadline<S> {
-    fn check(&self, check: Check) -> BoxFuture<'_, Result<Checked, StoreError>> {
+    fn check(&self, check: Check) -> CheckFuture<'_> {
         let inner = Arc::clone(&self.inner);
         let mut call: BoxFuture<'static, _> = Box::pin(async move { inner.check(check).await });
         let (deadline, late_within) = (self.deadline, self.late_within);
-        Box::pin(async move {
+        CheckFuture::waiting(async move {
             let start = tokio::time::Instant::now();
             if let Ok(result) = tokio::time::timeout(deadline, &mut call).await {
                 return result;

@@ -62,7 +62,9 @@ pub use recent::{Recent, RecentShare};
 
 use crate::clock::Micros;
 use crate::metrics as m;
-use crate::store::{BoxFuture, Check, Checked, FailureMode, Source, Store, StoreError};
+use crate::store::{
+    BoxFuture, Check, CheckFuture, Checked, FailureMode, Source, Store, StoreError,
+};
 use crate::telemetry::TARGET;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -261,8 +263,8 @@ impl<S> Failover<S> {
 }
 
 impl<S: Store> Store for Failover<S> {
-    fn check(&self, check: Check) -> BoxFuture<'_, Result<Checked, StoreError>> {
-        Box::pin(async move {
+    fn check(&self, check: Check) -> CheckFuture<'_> {
+        CheckFuture::waiting(async move {
             let permit = self.breaker.permit();
             if permit != Permit::Skip {
                 let ceiling = match (

@@ -31,7 +31,7 @@
 use super::table::{KeyTable, micros};
 use crate::algorithm::{Decision, Limit};
 use crate::clock::Micros;
-use crate::store::{BoxFuture, Check, Checked, Source, Store, StoreError};
+use crate::store::{BoxFuture, Check, CheckFuture, Checked, Source, Store, StoreError};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -132,15 +132,14 @@ impl<S> DenyCache<S> {
 }
 
 impl<S: Store> Store for DenyCache<S> {
-    fn check(&self, check: Check) -> BoxFuture<'_, Result<Checked, StoreError>> {
+    fn check(&self, check: Check) -> CheckFuture<'_> {
         if !check.deny_cache {
             return self.inner.check(check);
         }
         if let Some(answer) = self.answer(&check) {
-            return Box::pin(std::future::ready(Ok(answer)));
+            return CheckFuture::ready(Ok(answer));
         }
-        Box::pin(async move {
-            let result = self.inner.check(check).await;
+        self.inner.check(check).map(move |result| {
             if let Ok(checked) = &result {
                 self.learn(&check, checked);
             }

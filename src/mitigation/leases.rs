@@ -50,7 +50,9 @@ use super::table::{KeyTable, micros};
 use crate::algorithm::{Decision, Limit};
 use crate::clock::Micros;
 use crate::key::BucketKey;
-use crate::store::{BoxFuture, Check, Checked, FailureMode, Source, Store, StoreError};
+use crate::store::{
+    BoxFuture, Check, CheckFuture, Checked, FailureMode, Source, Store, StoreError,
+};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -225,14 +227,14 @@ impl<S> Leases<S> {
 }
 
 impl<S: Store> Store for Leases<S> {
-    fn check(&self, check: Check) -> BoxFuture<'_, Result<Checked, StoreError>> {
+    fn check(&self, check: Check) -> CheckFuture<'_> {
         if check.lease == 0 {
             return self.inner.check(check);
         }
         if let Some(answer) = self.spend(&check) {
-            return Box::pin(std::future::ready(Ok(answer)));
+            return CheckFuture::ready(Ok(answer));
         }
-        Box::pin(async move {
+        CheckFuture::waiting(async move {
             let lease = check.lease.min(check.limit.burst());
             if lease > check.cost && self.worth_a_lease(&check, lease) {
                 // One call takes the lease; it never falls back (a local

@@ -47,7 +47,7 @@
 
 use crate::algorithm::{Decision, Limit, LimitError};
 use crate::key::{BucketKey, SLOTS};
-use crate::store::{BoxFuture, Check, Checked, Store, StoreError};
+use crate::store::{BoxFuture, Check, CheckFuture, Checked, Store, StoreError};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
@@ -142,7 +142,7 @@ fn as_whole(checked: Checked, sub: Limit, check: &Check, shards: u16) -> Checked
 }
 
 impl<S: Store> Store for Sharded<S> {
-    fn check(&self, check: Check) -> BoxFuture<'_, Result<Checked, StoreError>> {
+    fn check(&self, check: Check) -> CheckFuture<'_> {
         if check.shards <= 1 {
             return self.inner.check(check);
         }
@@ -156,9 +156,8 @@ impl<S: Store> Store for Sharded<S> {
             limit: sub,
             ..check
         };
-        Box::pin(async move {
-            let checked = self.inner.check(inner).await?;
-            Ok(Checked {
+        self.inner.check(inner).map(move |result| {
+            result.map(|checked| Checked {
                 shard: Some(key),
                 ..as_whole(checked, sub, &check, check.shards)
             })

@@ -349,15 +349,15 @@ mod leases {
     }
 
     impl Store for Recording {
-        fn check(&self, check: Check) -> crate::store::BoxFuture<'_, Result<Checked, StoreError>> {
+        fn check(&self, check: Check) -> crate::store::CheckFuture<'_> {
             self.asked
                 .lock()
                 .unwrap()
                 .push((check.cost, check.on_failure));
             if *self.failing.lock().unwrap() {
-                return Box::pin(std::future::ready(Err(StoreError::Deadline(
+                return crate::store::CheckFuture::ready(Err(StoreError::Deadline(
                     crate::store::Late::unknown(),
-                ))));
+                )));
             }
             self.inner.check(check)
         }
@@ -447,9 +447,9 @@ mod leases {
     }
 
     impl Store for Gated {
-        fn check(&self, check: Check) -> crate::store::BoxFuture<'_, Result<Checked, StoreError>> {
+        fn check(&self, check: Check) -> crate::store::CheckFuture<'_> {
             self.asked.lock().unwrap().push(check.cost);
-            Box::pin(async move {
+            crate::store::CheckFuture::waiting(async move {
                 if check.cost > 1 {
                     let _pass = self.gate.acquire().await.expect("gate open");
                 }

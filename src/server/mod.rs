@@ -503,4 +503,35 @@ mod tests {
             Err(StoreError::CostExceedsBurst(_))
         ));
     }
+
+    /// The in-process stack, as built, answers without waiting through
+    /// every layer (no boxed future, so no allocation, per check): plain,
+    /// sharded, a deny-cache miss and hit, a store error, and a spent
+    /// lease. (Taking a lease is a future of its own.)
+    #[tokio::test]
+    async fn the_in_process_stack_answers_at_once() {
+        let config = Config::from_toml("").unwrap();
+        let store = build_stack(&config).await.unwrap().store;
+        let limit = Limit::per_second(10, 1).unwrap();
+        let at = |key| Check::new(BucketKey(key), limit, 1, 1_800_000_000_000_000);
+        let ready = |check: Check| {
+            let answer = store.check(check);
+            assert!(answer.is_ready(), "{check:?} waited");
+            answer
+        };
+        assert_eq!(ready(at(1)).await.unwrap().source, Source::Memory);
+        assert!(ready(at(2).with_shards(4)).await.unwrap().shard.is_some());
+        let denied = Check { cost: 10, ..at(3) }.with_deny_cache(true);
+        assert!(ready(denied).await.unwrap().decision.unwrap().allowed);
+        assert!(!ready(denied).await.unwrap().decision.unwrap().allowed);
+        assert_eq!(ready(denied).await.unwrap().source, Source::DenyCache);
+        assert!(ready(Check { cost: 11, ..at(4) }).await.is_err());
+        // The first check half drains the bucket (a lease lives while the
+        // bucket refills), the second takes a lease, the third spends it.
+        let leased = at(5).with_lease(2);
+        let draining = Check { cost: 5, ..leased };
+        assert_eq!(store.check(draining).await.unwrap().source, Source::Memory);
+        assert_eq!(store.check(leased).await.unwrap().source, Source::Memory);
+        assert_eq!(ready(leased).await.unwrap().source, Source::Lease);
+    }
 }

@@ -6,7 +6,7 @@
 //! and others never. This wrapper sits right above the backend (and its
 //! deadline) and counts each error once, by backend and kind.
 
-use super::{BoxFuture, Check, Checked, Store, StoreError};
+use super::{BoxFuture, Check, CheckFuture, Store, StoreError};
 use crate::metrics as m;
 use std::sync::Arc;
 
@@ -25,10 +25,8 @@ impl<S> Counted<S> {
 }
 
 impl<S: Store> Store for Counted<S> {
-    fn check(&self, check: Check) -> BoxFuture<'_, Result<Checked, StoreError>> {
-        let call = self.inner.check(check);
-        Box::pin(async move {
-            let result = call.await;
+    fn check(&self, check: Check) -> CheckFuture<'_> {
+        self.inner.check(check).map(move |result| {
             if let Err(e) = &result {
                 metrics::counter!(
                     m::STORE_ERRORS_TOTAL,

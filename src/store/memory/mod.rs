@@ -12,7 +12,7 @@ pub mod table;
 
 pub use table::{Slot, Table};
 
-use super::{BoxFuture, Check, Checked, Source, Store, StoreError};
+use super::{Check, CheckFuture, Checked, Source, Store, StoreError};
 use crate::algorithm::{self, Decision, PackedError};
 
 /// In-memory limit store. See the module documentation.
@@ -85,11 +85,11 @@ fn refused(e: PackedError) -> StoreError {
 }
 
 impl Store for MemoryStore {
-    fn check(&self, check: Check) -> BoxFuture<'_, Result<Checked, StoreError>> {
+    fn check(&self, check: Check) -> CheckFuture<'_> {
         let checked = self
             .decide(&check)
             .map(|decision| Checked::decided(decision, check.limit, Source::Memory));
-        Box::pin(std::future::ready(checked))
+        CheckFuture::ready(checked)
     }
 
     fn backend(&self) -> &'static str {

@@ -11,7 +11,7 @@ use super::resp::{
 use super::{RedisConnection, RedisSettings, Reply, hash_tag, redis_key, write_redis_key};
 use crate::algorithm::{Algorithm, Decision};
 use crate::key::BucketKey;
-use crate::store::{BoxFuture, Check, Checked, Source, Store, StoreError};
+use crate::store::{BoxFuture, Check, CheckFuture, Checked, Source, Store, StoreError};
 use redis::{Cmd, ErrorKind, RedisError, RedisWrite, Script, ServerErrorKind, Value};
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -262,8 +262,8 @@ async fn evalsha(
 }
 
 impl Store for LuaStore {
-    fn check(&self, check: Check) -> BoxFuture<'_, Result<Checked, StoreError>> {
-        Box::pin(async move {
+    fn check(&self, check: Check) -> CheckFuture<'_> {
+        CheckFuture::waiting(async move {
             let decision = self.decide(&check).await?;
             Ok(Checked::decided(decision, check.limit, Source::Redis))
         })

@@ -12,7 +12,7 @@ use crate::algorithm::token_bucket::{self, BucketState};
 use crate::algorithm::{Algorithm, Decision, Limit};
 use crate::clock::Micros;
 use crate::key::BucketKey;
-use crate::store::{BoxFuture, Check, Checked, Source, Store, StoreError};
+use crate::store::{BoxFuture, Check, CheckFuture, Checked, Source, Store, StoreError};
 use redis::RedisError;
 use std::sync::Arc;
 use std::time::Duration;
@@ -155,8 +155,8 @@ impl NaiveStore {
 }
 
 impl Store for NaiveStore {
-    fn check(&self, check: Check) -> BoxFuture<'_, Result<Checked, StoreError>> {
-        Box::pin(async move {
+    fn check(&self, check: Check) -> CheckFuture<'_> {
+        CheckFuture::waiting(async move {
             Self::keeps(&check.limit)?;
             let read = self.read(check.key).await?;
             let decision = self.decide_and_write(&check, read).await?;
