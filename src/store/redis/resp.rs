@@ -66,14 +66,26 @@ pub fn write_number(out: &mut Vec<u8>, n: u64) {
     let mut digits = itoa::Buffer::new();
     let digits = digits.format(n).as_bytes();
     let len = digits.len();
-    if len >= 10 {
-        out.extend_from_slice(&[b'$', b'0' + (len / 10) as u8, b'0' + (len % 10) as u8]);
+    // Assembled on the stack and appended once: `$<len>\r\n<digits>\r\n`
+    // is at most 27 bytes, and each append checks the `Vec`'s capacity.
+    let mut frame = [0u8; 27];
+    let head = if len >= 10 {
+        frame[..5].copy_from_slice(&[
+            b'$',
+            b'0' + (len / 10) as u8,
+            b'0' + (len % 10) as u8,
+            b'\r',
+            b'\n',
+        ]);
+        5
     } else {
-        out.extend_from_slice(&[b'$', b'0' + len as u8]);
-    }
-    out.extend_from_slice(b"\r\n");
-    out.extend_from_slice(digits);
-    out.extend_from_slice(b"\r\n");
+        frame[..4].copy_from_slice(&[b'$', b'0' + len as u8, b'\r', b'\n']);
+        4
+    };
+    let end = head + len;
+    frame[head..end].copy_from_slice(digits);
+    frame[end..end + 2].copy_from_slice(b"\r\n");
+    out.extend_from_slice(&frame[..end + 2]);
 }
 
 /// Decodes a reply frame into the redis crate's `Value`; an error reply
