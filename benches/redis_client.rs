@@ -31,8 +31,10 @@
 //! recorder (each call's duration goes into its node's histogram) and the
 //! log subscriber, under which the Redis span's callsite is disabled (no
 //! trace endpoint). Without a subscriber, `tracing` hands every span to
-//! the `log` crate instead, a path the service never takes (about 600
-//! instructions a check, a tenth of the client's count).
+//! the `log` crate instead, a path the service never takes (callgrind:
+//! 6 039 instructions a check without a subscriber and recorder, 5 766
+//! with them, the histogram's recording included, in the same change as
+//! `write_number`'s single append).
 
 use criterion::{Criterion, criterion_group};
 use futures_util::StreamExt;

@@ -65,8 +65,9 @@ pub struct RateLimitFields {
 const INLINE_NAME: usize = 64;
 
 /// Bytes enough for every value: eight numbers of at most 20 digits, and
-/// the two structured fields' nine bytes of syntax around the name.
-const INLINE: usize = 8 * 20 + 2 * (9 + INLINE_NAME);
+/// the two structured fields' eight bytes of syntax around the name
+/// (`"`, `";q=`, `;w=`; `"`, `";r=`, `;t=`).
+const INLINE: usize = 8 * 20 + 2 * (8 + INLINE_NAME);
 
 /// The values' bytes, owned by the `Bytes` they are sliced from.
 struct Inline {
@@ -332,8 +333,9 @@ mod tests {
         );
     }
 
-    /// The longest values fit the inline buffer: the longest valid name and
-    /// every number at its widest, denied (six values); a longer name
+    /// The longest values fit the inline buffer: the longest valid name,
+    /// every number of the decision at its widest and the limit at the
+    /// widest `Limit::new` takes, denied (six values); a longer name
     /// than validation allows goes to the `Vec` and comes out the same.
     #[test]
     fn the_widest_values_fit_and_a_longer_name_still_works() {

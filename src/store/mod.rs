@@ -45,7 +45,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-/// A boxed, sendable future, as returned by [`Store::ready`].
+/// A boxed, sendable future, as returned by [`Store::ready`] (and held by
+/// a [`CheckFuture`] that waits).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// What a check comes to.
@@ -60,7 +61,7 @@ pub type CheckResult = Result<Checked, StoreError>;
 /// memory-limited route showed over the unlimited one. A wrapper adds its
 /// step with [`CheckFuture::map`], which runs it at once on an answer
 /// that is here and boxes only around one that is not.
-#[must_use = "a check does nothing unless awaited"]
+#[must_use = "a check's answer is lost unless awaited"]
 pub struct CheckFuture<'a>(Answer<'a>);
 
 enum Answer<'a> {
@@ -279,7 +280,10 @@ impl Checked {
 
 /// Limit state, local or shared. Every layer of the stack is one.
 pub trait Store: Send + Sync + fmt::Debug + 'static {
-    /// Decide `check`, and record the spend if admitted.
+    /// Decide `check`, and record the spend if admitted. A store that can
+    /// answer at once decides (and spends, learns, counts) when called,
+    /// and returns the answer ready; one that waits does its work when
+    /// polled.
     fn check(&self, check: Check) -> CheckFuture<'_>;
 
     /// The backend's name, as used in metric labels and logs (wrappers
