@@ -92,7 +92,14 @@ impl Front {
     }
 
     /// Answers `request`; never fails (every error is an HTTP answer).
-    pub async fn handle(mut self, request: Request<Body>) -> Response {
+    pub async fn handle(self, request: Request<Body>) -> Response {
+        self.answer(request).await.0
+    }
+
+    /// [`Front::handle`], and the instant the answer was ready: the clock
+    /// reading its duration was measured to, which the connection's header
+    /// timeout starts from as well (one clock read for both).
+    pub async fn answer(mut self, request: Request<Body>) -> (Response, Instant) {
         let started = Instant::now();
         let method = method_label(request.method());
         let span = server_span(method, request.headers());
@@ -114,9 +121,10 @@ impl Front {
             Some(route) => (route.template, &route.durations),
             None => (UNMATCHED, &shared.unmatched),
         };
-        durations.record(method, status, started.elapsed().as_secs_f64());
+        let answered = Instant::now();
+        durations.record(method, status, (answered - started).as_secs_f64());
         end_server_span(&span, method, template, status);
-        response
+        (response, answered)
     }
 
     async fn route(&mut self, route: Option<&Route>, request: Request<Body>) -> Response {

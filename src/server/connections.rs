@@ -8,11 +8,11 @@
 //! timeout applies, and it has no cap. So this module serves connections
 //! itself, with what hyper and hyper-util provide:
 //!
-//! - **A header timeout** (`http.header_timeout`): hyper's own, driven by
-//!   hyper-util's tokio timer. hyper starts the clock whenever a connection
-//!   begins waiting for a request's head: when it opens, and again when a
-//!   response has been written. So one setting closes both a client that
-//!   trickles its headers and an idle keep-alive connection.
+//! - **A header timeout** (`http.header_timeout`), hyper's rule with one
+//!   timer per connection ([`head_timeout`]): the clock starts whenever a
+//!   connection begins waiting for a request's head, when it opens and
+//!   again when an answer is ready. So one setting closes both a client
+//!   that trickles its headers and an idle keep-alive connection.
 //! - **A request deadline** (`http.request_timeout`, in
 //!   `middleware::Front`): around the whole request once its headers are
 //!   in, body reading included; a stalled body is answered 408 and, its
@@ -31,6 +31,7 @@
 //! Graceful shutdown is hyper-util's: idle connections close at once,
 //! requests in flight finish.
 
+use super::head_timeout::{HeadClock, HeadTimeout};
 use crate::config::HttpConfig;
 use crate::limiter::CurrentLimiter;
 use crate::metrics as m;
@@ -38,14 +39,14 @@ use crate::middleware::Front;
 use axum::body::Body;
 use axum::extract::ConnectInfo;
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::TokioIo;
 use hyper_util::server::graceful::GracefulShutdown;
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 
 /// Why a connection was refused: the `reason` label of
@@ -210,9 +211,8 @@ pub async fn serve_connections(
         settings.max_connections,
         settings.max_connections_per_address,
     );
-    let mut http = hyper::server::conn::http1::Builder::new();
-    http.timer(TokioTimer::new())
-        .header_read_timeout(settings.header_timeout);
+    // No timer for hyper: the header timeout is ours (`HeadTimeout`).
+    let http = hyper::server::conn::http1::Builder::new();
     let graceful = GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
@@ -245,20 +245,26 @@ pub async fn serve_connections(
         // Responses are written whole; Nagle would only delay them.
         let _ = stream.set_nodelay(true);
         let front = front.clone();
+        let clock = HeadClock::new(Instant::now());
+        let io = HeadTimeout::new(stream, Arc::clone(&clock), settings.header_timeout);
         let service = hyper::service::service_fn(move |mut request: http::Request<Incoming>| {
+            clock.answering();
             // What axum's `into_make_service_with_connect_info` adds: the
             // identity of an anonymous client is its peer address.
             request.extensions_mut().insert(ConnectInfo(peer));
             // Unboxed: hyper keeps the future as its own type.
             let front = front.clone();
-            async move { Ok::<_, Infallible>(front.handle(request.map(Body::new)).await) }
+            let clock = Arc::clone(&clock);
+            async move {
+                let (response, answered) = front.answer(request.map(Body::new)).await;
+                clock.waiting_from(answered);
+                Ok::<_, Infallible>(response)
+            }
         });
-        let connection = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
+        let connection = graceful.watch(http.serve_connection(TokioIo::new(io), service));
         tokio::spawn(async move {
+            // A header timeout is counted where it is decided (`HeadTimeout`).
             if let Err(e) = connection.await {
-                if e.is_timeout() {
-                    metrics::counter!(m::HTTP_SERVER_HEADER_TIMEOUTS_TOTAL).increment(1);
-                }
                 tracing::debug!(%peer, error = %e, "connection closed with an error");
             }
             drop(slot);

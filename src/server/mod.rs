@@ -1,9 +1,10 @@
 //! Wiring and serving: the one place an instance is assembled from its
 //! config (the store stack, the limiter, the handlers' state), then bound,
 //! served and shut down gracefully. How connections are accepted, capped
-//! and timed out is [`connections`].
+//! and timed out is [`connections`] (the header timeout: [`head_timeout`]).
 
 pub mod connections;
+pub mod head_timeout;
 
 use crate::api::{AppState, Health, app};
 use crate::clock::{Clock, FastClock};
