@@ -2,7 +2,8 @@
 //! axum app with tower_governor and a plain axum handler.
 //!
 //! ```text
-//! cargo build --release -p loadtest -p ratelimiter --bins --examples
+//! cargo build --release -p ratelimiter --examples        # the peers
+//! cargo build --release -p ratelimiter --bin ratelimiter # ours, last and alone
 //! cargo run --release -p loadtest -- http-cost
 //! ```
 //!
@@ -13,7 +14,9 @@
 //! others). Not this executable re-run as `loadtest
 //! instance`: the same code, but linked into a binary many times the size
 //! (goose, reqwest, plotters), whose layout alone changed the per-request
-//! CPU by a tenth or more.
+//! CPU by a tenth or more. Ours is built alone, as the Dockerfile builds
+//! it: built with the examples (or with this crate), it would get their
+//! dependencies' features, tokio's test-util among them.
 //!
 //! Each server is pinned to `--server-cpu` (taskset) and started fresh for
 //! each run; the load generator, this process, is pinned to
@@ -336,7 +339,7 @@ fn servers(args: &HttpCostArgs) -> anyhow::Result<Servers> {
         ensure!(
             server.is_file(),
             "no {}: build it with the same profile first \
-             (cargo build --release -p ratelimiter --bins --examples)",
+             (cargo build --release -p ratelimiter --examples, then --bin ratelimiter)",
             server.display()
         );
     }
