@@ -28,8 +28,8 @@ pub const HTTP_SERVER_OPEN_CONNECTIONS: &str = "http_server_open_connections";
 pub const HTTP_SERVER_CONNECTIONS_REFUSED_TOTAL: &str = "http_server_connections_refused_total";
 /// Counter: connections closed because a request's headers had not
 /// arrived `http.header_timeout` after the connection began waiting for
-/// them: slow clients, and idle keep-alive connections (hyper's clock runs
-/// while a connection waits for its next request).
+/// them: slow clients, and idle keep-alive connections (the clock runs
+/// while a connection waits for its next request; src/server/head_timeout.rs).
 pub const HTTP_SERVER_HEADER_TIMEOUTS_TOTAL: &str = "http_server_header_timeouts_total";
 /// Counter: limiter decisions. Labels: `policy`, `decision`
 /// (`allowed`|`denied`|`shadow_denied`|`unavailable`), `key_kind`
