@@ -40,7 +40,7 @@ mod tests;
 
 use crate::clock::Micros;
 use crate::identity::Identity;
-use crate::key::{BucketKey, KeyKind, SLOTS};
+use crate::key::{BucketKey, BuildKeyBits, KeyKind, SLOTS};
 use crate::metrics as m;
 use serde::{Deserialize, Serialize};
 use space_saving::SpaceSaving;
@@ -86,7 +86,8 @@ struct Meta {
 #[derive(Debug)]
 struct Window {
     started: Micros,
-    keys: SpaceSaving<BucketKey, Meta>,
+    /// Bucket keys are keyed hashes: the index uses their bits.
+    keys: SpaceSaving<BucketKey, Meta, BuildKeyBits>,
     /// Store calls per slot, to divide a key's calls by its node's (one
     /// count for every key when the store has one node).
     slot_calls: Box<[u32]>,

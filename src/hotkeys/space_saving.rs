@@ -15,7 +15,8 @@
 //! than keeping a heap or the paper's bucket lists up to date on every hit.
 
 use std::collections::HashMap;
-use std::hash::Hash;
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hash};
 
 /// One tracked key.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -38,23 +39,25 @@ impl<K, V> Entry<K, V> {
     }
 }
 
-/// The summary: at most `capacity` keys.
+/// The summary: at most `capacity` keys, indexed by a map hashed with
+/// `S` (std's SipHash unless the keys are uniform already, as bucket keys
+/// are: [`crate::key::BuildKeyBits`]).
 #[derive(Debug, Clone)]
-pub struct SpaceSaving<K, V> {
+pub struct SpaceSaving<K, V, S = RandomState> {
     capacity: usize,
     entries: Vec<Entry<K, V>>,
-    index: HashMap<K, usize>,
+    index: HashMap<K, usize, S>,
     total: u64,
 }
 
-impl<K: Hash + Eq + Copy, V> SpaceSaving<K, V> {
+impl<K: Hash + Eq + Copy, V, S: BuildHasher + Default> SpaceSaving<K, V, S> {
     /// A summary tracking at most `capacity` keys (at least one).
     pub fn new(capacity: usize) -> Self {
         let capacity = capacity.max(1);
         Self {
             capacity,
             entries: Vec::with_capacity(capacity),
-            index: HashMap::with_capacity(capacity),
+            index: HashMap::with_capacity_and_hasher(capacity, S::default()),
             total: 0,
         }
     }

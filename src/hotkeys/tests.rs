@@ -24,7 +24,7 @@ proptest! {
     /// heavier than N / capacity tracked, and the counts add up to N.
     #[test]
     fn space_saving_keeps_its_guarantees((capacity, items) in stream()) {
-        let mut summary = SpaceSaving::new(capacity);
+        let mut summary = SpaceSaving::<u8, ()>::new(capacity);
         let mut truth: HashMap<u8, u64> = HashMap::new();
         for &(key, weight) in &items {
             summary.offer(key, weight, || ());

@@ -3,17 +3,21 @@
 //! what its owner says is stale and otherwise takes nothing new.
 
 use crate::clock::Micros;
-use crate::key::BucketKey;
+use crate::key::{BucketKey, BuildKeyBits};
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 const SHARDS: usize = 16;
 
+/// A shard's map, hashed by the key's low bits ([`BuildKeyBits`]): the
+/// key is a keyed hash, uniform already.
+type Shard<V> = HashMap<BucketKey, V, BuildKeyBits>;
+
 /// A bounded per-key table of `V`, in locked shards.
 #[derive(Debug)]
 pub(super) struct KeyTable<V> {
-    shards: Box<[Mutex<HashMap<BucketKey, V>>]>,
+    shards: Box<[Mutex<Shard<V>>]>,
     per_shard: usize,
 }
 
@@ -21,15 +25,18 @@ impl<V> KeyTable<V> {
     /// A table of at most about `max_keys` entries.
     pub(super) fn new(max_keys: usize) -> Self {
         Self {
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
             per_shard: max_keys.div_ceil(SHARDS).max(1),
         }
     }
 
     /// The shard holding `key`, locked.
-    pub(super) fn shard(&self, key: BucketKey) -> MutexGuard<'_, HashMap<BucketKey, V>> {
-        // The key is a keyed hash: its low bits are uniform.
-        self.shards[(key.0 as usize) % SHARDS]
+    pub(super) fn shard(&self, key: BucketKey) -> MutexGuard<'_, Shard<V>> {
+        // The key is a keyed hash, uniform: its high bits pick the shard,
+        // its low bits (the map's hash) its place in it. Taking both from
+        // the same bits would leave each shard's keys a sixteenth of its
+        // map's slots.
+        self.shards[(key.0 >> 124) as usize % SHARDS]
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
     }
@@ -39,7 +46,7 @@ impl<V> KeyTable<V> {
     /// `keep` refuses are dropped.
     pub(super) fn room(
         &self,
-        shard: &mut HashMap<BucketKey, V>,
+        shard: &mut Shard<V>,
         key: BucketKey,
         keep: impl FnMut(&V) -> bool,
     ) -> bool {

@@ -24,10 +24,10 @@
 
 use crate::algorithm::{Packed, PackedSlot};
 use crate::clock::Micros;
-use crate::key::BucketKey;
+use crate::key::{BucketKey, BuildKeyBits};
 use crate::metrics as m;
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::Hasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
@@ -56,27 +56,8 @@ impl std::hash::Hash for SlotKey {
     }
 }
 
-/// Passes a [`SlotKey`]'s low 64 bits through (see the module docs).
-#[derive(Default)]
-struct KeyBitsHasher(u64);
-
-impl Hasher for KeyBitsHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        // Only reached if a non-u128 type is hashed with this hasher; fold
-        // the bytes in so it still works, if slowly.
-        for &b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(b);
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 = n;
-    }
-}
-
-type Map = HashMap<SlotKey, Packed, BuildHasherDefault<KeyBitsHasher>>;
+/// Hashed by the key's low bits ([`BuildKeyBits`]; module docs).
+type Map = HashMap<SlotKey, Packed, BuildKeyBits>;
 
 /// The table. See the module documentation.
 #[derive(Debug)]
