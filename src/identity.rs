@@ -151,12 +151,39 @@ impl Identifier {
         headers: &HeaderMap,
         peer: Option<IpAddr>,
     ) -> Result<(Identity, KeyKind), IdentityError> {
-        let presented = api_key(headers)?;
-        if let Some(id) = presented.and_then(|key| self.api_keys.verify(key)) {
+        self.identify_request(headers, peer).0
+    }
+
+    /// [`Identifier::identify`], and [`Identifier::ignores_forwarding`],
+    /// from one pass over the request's headers (see [`Presented`]).
+    pub fn identify_request(
+        &self,
+        headers: &HeaderMap,
+        peer: Option<IpAddr>,
+    ) -> (Result<(Identity, KeyKind), IdentityError>, bool) {
+        let presented = Presented::scan(headers);
+        let ignores_forwarding = presented.forwarded && peer.is_some_and(|p| self.ignores(p));
+        (self.identify_presented(presented, peer), ignores_forwarding)
+    }
+
+    fn identify_presented(
+        &self,
+        presented: Presented<'_>,
+        peer: Option<IpAddr>,
+    ) -> Result<(Identity, KeyKind), IdentityError> {
+        let key = presented.api_key?;
+        if let Some(id) = key.and_then(|key| self.api_keys.verify(key)) {
             return Ok((Identity::ApiKey(id), KeyKind::ApiKey));
         }
-        let ip = self.client_ip(headers, peer.ok_or(IdentityError::NoPeerAddress)?)?;
-        let kind = if presented.is_some() {
+        let peer = peer.ok_or(IdentityError::NoPeerAddress)?;
+        let ip = if presented.forwarded {
+            self.client_ip(presented.headers, peer)?
+        } else {
+            // Nothing forwarded: the peer, whoever it is (what client_ip
+            // finds, without looking the header up again).
+            peer.to_canonical()
+        };
+        let kind = if key.is_some() {
             KeyKind::UnknownApiKey
         } else {
             KeyKind::Ip
@@ -184,8 +211,12 @@ impl Identifier {
     /// own bucket; on nearly every request, a proxy that should be trusted
     /// and is not.
     pub fn ignores_forwarding(&self, headers: &HeaderMap, peer: Option<IpAddr>) -> bool {
-        peer.is_some_and(|peer| !self.is_trusted(peer.to_canonical()))
-            && headers.contains_key(X_FORWARDED_FOR)
+        self.identify_request(headers, peer).1
+    }
+
+    /// Whether forwarding from `peer` is ignored: it is not a trusted proxy.
+    fn ignores(&self, peer: IpAddr) -> bool {
+        !self.is_trusted(peer.to_canonical())
     }
 
     fn is_trusted(&self, ip: IpAddr) -> bool {
@@ -246,23 +277,66 @@ const X_API_KEY: http::HeaderName = http::HeaderName::from_static("x-api-key");
 /// `X-Forwarded-For`.
 const X_FORWARDED_FOR: http::HeaderName = http::HeaderName::from_static("x-forwarded-for");
 
-/// The API key a request presents, if any, validated but not verified.
-pub fn api_key(headers: &HeaderMap) -> Result<Option<&str>, IdentityError> {
-    let mut found: Option<&str> = None;
-    for value in headers.get_all(X_API_KEY) {
-        let key = valid_key(value.as_bytes())?;
-        merge(&mut found, key)?;
-    }
-    for value in headers.get_all(http::header::AUTHORIZATION) {
-        let bytes = value.as_bytes();
-        // Only the Bearer scheme carries an API key; other schemes (Basic)
-        // are someone else's business and leave the request anonymous.
-        if bytes.len() > 7 && bytes[..7].eq_ignore_ascii_case(b"bearer ") {
-            let key = valid_key(bytes[7..].trim_ascii())?;
-            merge(&mut found, key)?;
+/// What a request's headers present to identify it by, found in one pass
+/// over them. Looking up `X-Api-Key`, `Authorization` and
+/// `X-Forwarded-For` by name hashed each name and probed the map, three
+/// times a request, most times to find nothing: comparing each header's
+/// name to the three costs less for any request of usual size (a name
+/// of another length differs at its length, a standard one at its tag).
+#[derive(Debug, Clone)]
+struct Presented<'a> {
+    /// The API key, validated but not verified; or why the request's keys
+    /// are refused (the first malformed key, else two different keys).
+    api_key: Result<Option<&'a str>, IdentityError>,
+    /// Whether an `X-Forwarded-For` line came.
+    forwarded: bool,
+    headers: &'a HeaderMap,
+}
+
+impl<'a> Presented<'a> {
+    fn scan(headers: &'a HeaderMap) -> Self {
+        let mut api_key = Ok(None);
+        let mut forwarded = false;
+        for (name, value) in headers {
+            let key = if *name == X_API_KEY {
+                valid_key(value.as_bytes())
+            } else if *name == http::header::AUTHORIZATION {
+                let bytes = value.as_bytes();
+                // Only the Bearer scheme carries an API key; other schemes
+                // (Basic) are someone else's business and leave the
+                // request anonymous.
+                if bytes.len() > 7 && bytes[..7].eq_ignore_ascii_case(b"bearer ") {
+                    valid_key(bytes[7..].trim_ascii())
+                } else {
+                    continue;
+                }
+            } else {
+                forwarded |= *name == X_FORWARDED_FOR;
+                continue;
+            };
+            if let Ok(found) = &mut api_key {
+                match key {
+                    Err(malformed) => api_key = Err(malformed),
+                    Ok(key) => {
+                        if let Err(conflict) = merge(found, key) {
+                            api_key = Err(conflict);
+                        }
+                    }
+                }
+            } else if let Err(malformed) = key {
+                // A malformed key is named over a conflict, whatever the
+                // headers' order.
+                if api_key == Err(IdentityError::ApiKeyConflict) {
+                    api_key = Err(malformed);
+                }
+            }
+        }
+        Self {
+            api_key,
+            forwarded,
+            headers,
         }
     }
-    Ok(found)
 }
 
 fn merge<'a>(found: &mut Option<&'a str>, key: &'a str) -> Result<(), IdentityError> {

@@ -444,10 +444,11 @@ impl Limiter {
         headers: &HeaderMap,
         peer: Option<IpAddr>,
     ) -> Outcome {
-        if self.identifier.ignores_forwarding(headers, peer) {
+        let (identified, ignores_forwarding) = self.identifier.identify_request(headers, peer);
+        if ignores_forwarding {
             metrics::counter!(m::UNTRUSTED_FORWARDED_TOTAL).increment(1);
         }
-        let (identity, kind) = match self.identifier.identify(headers, peer) {
+        let (identity, kind) = match identified {
             Ok(found) => found,
             Err(e) => {
                 metrics::counter!(m::IDENTITY_ERRORS_TOTAL, "reason" => e.kind()).increment(1);

@@ -131,6 +131,38 @@ fn forwarding_from_an_untrusted_peer_is_what_is_signalled() {
     assert!(!id.ignores_forwarding(&forwarded, Some(ip("10.1.2.3"))));
     assert!(!id.ignores_forwarding(&HeaderMap::new(), Some(ip("203.0.113.9"))));
     assert!(!id.ignores_forwarding(&forwarded, None));
+    // Signalled even when the request's key is refused, and among other
+    // headers, in any order.
+    let h = headers(&[
+        ("accept", "*/*"),
+        ("x-api-key", "has space"),
+        ("x-forwarded-for", "1.2.3.4"),
+        ("x-request-id", "abc"),
+    ]);
+    let (identified, ignored) = id.identify_request(&h, Some(ip("203.0.113.9")));
+    assert_eq!(identified, Err(IdentityError::ApiKeyInvalid));
+    assert!(ignored);
+}
+
+/// Two different keys and a malformed one: the malformed key is named,
+/// whichever header comes first; the request is refused either way.
+#[test]
+fn a_malformed_key_is_named_over_a_conflict_in_any_order() {
+    let id = identifier(&[]);
+    let peer = Some(ip("10.0.0.1"));
+    let lines = [
+        ("x-api-key", "key-a"),
+        ("authorization", "Bearer key-b"),
+        ("x-api-key", "has space"),
+    ];
+    for order in [[0, 1, 2], [2, 0, 1], [1, 2, 0], [1, 0, 2]] {
+        let h = headers(&order.map(|i| lines[i]));
+        assert_eq!(
+            id.identify(&h, peer),
+            Err(IdentityError::ApiKeyInvalid),
+            "{order:?}"
+        );
+    }
 }
 
 #[test]
