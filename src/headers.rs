@@ -97,12 +97,26 @@ impl RateLimitFields {
     /// `policy` must be a valid structured-field string body (config
     /// validation ensures names are `[A-Za-z0-9_.-]`).
     pub fn new(policy: &str, limit: &Limit, decision: &Decision) -> Self {
+        Self::with_policy_field(policy, None, limit, decision)
+    }
+
+    /// [`RateLimitFields::new`], given the `RateLimit-Policy` value when
+    /// it was made already ([`policy_field`] of the same policy and
+    /// `limit`): it is the same for every decision under one limit, so a
+    /// policy makes it once, not once a request.
+    pub fn with_policy_field(
+        policy: &str,
+        made: Option<&HeaderValue>,
+        limit: &Limit,
+        decision: &Decision,
+    ) -> Self {
+        let policy_part = made.is_none();
         let (bytes, ends) = if policy.len() <= INLINE_NAME {
             let mut inline = Inline {
                 bytes: [0; INLINE],
                 len: 0,
             };
-            let ends = Self::write(policy, limit, decision, |part| {
+            let ends = Self::write(policy, policy_part, limit, decision, |part| {
                 let end = inline.len + part.len();
                 inline.bytes[inline.len..end].copy_from_slice(part);
                 inline.len = end;
@@ -111,7 +125,7 @@ impl RateLimitFields {
             (Bytes::from_owner(inline), ends)
         } else {
             let mut buf = Vec::new();
-            let ends = Self::write(policy, limit, decision, |part| {
+            let ends = Self::write(policy, policy_part, limit, decision, |part| {
                 buf.extend_from_slice(part);
                 buf.len()
             });
@@ -121,8 +135,10 @@ impl RateLimitFields {
         // for a validated name.
         let values = std::array::from_fn(|i| {
             let start = if i == 0 { 0 } else { ends[i - 1] };
-            if i == 5 && decision.allowed {
-                return None;
+            match (i, made) {
+                (3, Some(made)) => return Some(made.clone()),
+                (5, _) if decision.allowed => return None,
+                _ => {}
             }
             HeaderValue::from_maybe_shared(bytes.slice(start..ends[i])).ok()
         });
@@ -131,9 +147,11 @@ impl RateLimitFields {
 
     /// Writes the values one after another through `push`, which appends
     /// a part and returns the length so far; returns where each value
-    /// ends, by [`RateLimitFields::NAMES`].
+    /// ends, by [`RateLimitFields::NAMES`]. `RateLimit-Policy`'s is left
+    /// empty unless `policy_part`.
     fn write(
         policy: &str,
+        policy_part: bool,
         limit: &Limit,
         decision: &Decision,
         mut push: impl FnMut(&[u8]) -> usize,
@@ -143,13 +161,11 @@ impl RateLimitFields {
         ends[0] = push(digits.format(decision.limit).as_bytes());
         ends[1] = push(digits.format(decision.remaining).as_bytes());
         ends[2] = push(digits.format(ceil_secs(decision.reset)).as_bytes());
-        // `"<policy>";q=<burst>;w=<seconds to refill>`
-        push(b"\"");
-        push(policy.as_bytes());
-        push(b"\";q=");
-        push(digits.format(limit.burst()).as_bytes());
-        push(b";w=");
-        ends[3] = push(digits.format(ceil_secs(limit.refill_time())).as_bytes());
+        ends[3] = if policy_part {
+            write_policy(policy, limit, &mut push)
+        } else {
+            ends[2]
+        };
         // `"<policy>";r=<remaining>;t=<seconds until admitted>`
         push(b"\"");
         push(policy.as_bytes());
@@ -174,6 +190,30 @@ impl RateLimitFields {
             }
         }
     }
+}
+
+/// Writes `"<policy>";q=<burst>;w=<seconds to refill>` through `push`;
+/// returns the length so far.
+fn write_policy(policy: &str, limit: &Limit, mut push: impl FnMut(&[u8]) -> usize) -> usize {
+    let mut digits = itoa::Buffer::new();
+    push(b"\"");
+    push(policy.as_bytes());
+    push(b"\";q=");
+    push(digits.format(limit.burst()).as_bytes());
+    push(b";w=");
+    push(digits.format(ceil_secs(limit.refill_time())).as_bytes())
+}
+
+/// The `RateLimit-Policy` value of policy `policy` shaped `limit`, for
+/// [`RateLimitFields::with_policy_field`]; `None` if `policy` is no valid
+/// structured-field string body.
+pub fn policy_field(policy: &str, limit: &Limit) -> Option<HeaderValue> {
+    let mut value = Vec::new();
+    write_policy(policy, limit, |part| {
+        value.extend_from_slice(part);
+        value.len()
+    });
+    HeaderValue::from_maybe_shared(Bytes::from(value)).ok()
 }
 
 /// An RFC 9457 problem document (`application/problem+json`).
@@ -331,6 +371,40 @@ mod tests {
             get(&rate_limit_headers("p", &odd, &d), "ratelimit-policy"),
             "\"p\";q=5;w=8"
         );
+    }
+
+    /// With the `RateLimit-Policy` value made once, the fields are the
+    /// same as written whole, admitted or denied, for a short name and one
+    /// too long for the inline buffer.
+    #[test]
+    fn a_policy_field_made_once_gives_the_same_fields() {
+        let limits = [
+            Limit::per_second(100, 10).unwrap(),
+            Limit::new(1 << 32, 1, Duration::from_micros(1 << 20)).unwrap(),
+        ];
+        for name in ["api".to_owned(), "n".repeat(INLINE_NAME + 1)] {
+            for limit in &limits {
+                let made = policy_field(&name, limit).expect("a valid name");
+                for allowed in [true, false] {
+                    let d = Decision {
+                        allowed,
+                        limit: limit.burst(),
+                        remaining: 7,
+                        retry_after: Duration::from_millis(1500),
+                        reset: Duration::from_secs(3),
+                    };
+                    let mut with = HeaderMap::new();
+                    RateLimitFields::with_policy_field(&name, Some(&made), limit, &d)
+                        .write_to(&mut with);
+                    assert_eq!(
+                        with,
+                        rate_limit_headers(&name, limit, &d),
+                        "{name} {allowed}"
+                    );
+                    assert_eq!(with.get(RATELIMIT_POLICY), Some(&made));
+                }
+            }
+        }
     }
 
     /// The longest values fit the inline buffer: the longest valid name,

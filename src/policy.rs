@@ -3,10 +3,11 @@
 //! [`crate::limiter`].
 
 use crate::algorithm::Limit;
+use crate::headers::policy_field;
 use crate::identity::Identity;
 use crate::key::KeyKind;
 use crate::store::FailureMode;
-use http::Method;
+use http::{HeaderValue, Method};
 use std::sync::Arc;
 
 /// A route policy as configured (validated).
@@ -65,6 +66,8 @@ pub struct RoutePolicy {
     pub lease: u64,
     shards: u16,
     shard_keys: Vec<String>,
+    /// The `RateLimit-Policy` value of each of its limits, made once.
+    policy_fields: [Option<(Limit, HeaderValue)>; 2],
 }
 
 impl RoutePolicy {
@@ -82,7 +85,19 @@ impl RoutePolicy {
             lease: p.lease,
             shards: p.shards,
             shard_keys: p.shard_keys.clone(),
+            policy_fields: [p.limit, p.anonymous]
+                .map(|limit| limit.and_then(|l| Some((l, policy_field(&p.name, &l)?)))),
         }
+    }
+
+    /// The `RateLimit-Policy` value for `limit`, if it is one of this
+    /// policy's own (a store may answer under another, a shard's share).
+    pub fn policy_field(&self, limit: &Limit) -> Option<&HeaderValue> {
+        self.policy_fields
+            .iter()
+            .flatten()
+            .find(|(own, _)| own == limit)
+            .map(|(_, value)| value)
     }
 
     /// Sub-buckets the key of `identity` is split over (1: not split).
@@ -215,5 +230,35 @@ mod tests {
         let status = p.find("/api/status", &Method::GET).unwrap();
         assert_eq!(status.limit_for(KeyKind::ApiKey), None);
         assert!(status.is_unlimited());
+    }
+
+    /// Each of a policy's limits has its `RateLimit-Policy` value made
+    /// once, as the fields would write it; any other limit (a shard's
+    /// share) has none, and is written per request.
+    #[test]
+    fn a_policys_own_limits_have_their_policy_field_made() {
+        let c = Config::from_toml(
+            r#"
+            [[policies]]
+            name = "api"
+            route = "/api/"
+            burst = 10
+            rate = 1
+            anonymous = { burst = 4, rate = 2 }
+            "#,
+        )
+        .unwrap();
+        let p = Policies::new(&c.policies, FailureMode::Local);
+        let api = p.find("/api/items", &Method::GET).unwrap();
+        for (kind, text) in [
+            (KeyKind::ApiKey, "\"api\";q=10;w=10"),
+            (KeyKind::Ip, "\"api\";q=4;w=2"),
+        ] {
+            let limit = api.limit_for(kind).unwrap();
+            let made = api.policy_field(&limit).expect("made");
+            assert_eq!(made.to_str().unwrap(), text, "{kind:?}");
+        }
+        let other = Limit::per_second(5, 1).unwrap();
+        assert_eq!(api.policy_field(&other), None);
     }
 }

@@ -96,7 +96,12 @@ impl From<Outcome> for Verdict {
                 kind,
                 ..
             } => {
-                let fields = RateLimitFields::new(&policy.name, &limit, &decision);
+                let fields = RateLimitFields::with_policy_field(
+                    &policy.name,
+                    policy.policy_field(&limit),
+                    &limit,
+                    &decision,
+                );
                 if !decision.allowed {
                     let mut response =
                         Problem::rate_limited(&policy.name, &decision).into_response();
