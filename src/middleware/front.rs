@@ -99,16 +99,20 @@ impl Front {
     /// [`Front::handle`], and the instant the answer was ready: the clock
     /// reading its duration was measured to, which the connection's header
     /// timeout starts from as well (one clock read for both).
-    pub async fn answer(mut self, request: Request<Body>) -> (Response, Instant) {
+    pub async fn answer(self, request: Request<Body>) -> (Response, Instant) {
         let started = Instant::now();
         let method = method_label(request.method());
         let span = server_span(method, request.headers());
-        let shared = Arc::clone(&self.shared);
+        // Taken apart, so the route found in `shared` is borrowed while the
+        // router is called (not a reference count more a request).
+        let Front { mut router, shared } = self;
         let route = shared.routes.find(request.uri().path());
         let response = if span.is_disabled() {
-            self.route(route, request).await
+            Self::route(&mut router, &shared, route, request).await
         } else {
-            self.route(route, request).instrument(span.clone()).await
+            Self::route(&mut router, &shared, route, request)
+                .instrument(span.clone())
+                .await
         };
         let mut response = problem_for_bare_errors(response);
         if let Some(id) = &shared.instance_id {
@@ -127,28 +131,33 @@ impl Front {
         (response, answered)
     }
 
-    async fn route(&mut self, route: Option<&Route>, request: Request<Body>) -> Response {
+    async fn route(
+        router: &mut Router,
+        shared: &Shared,
+        route: Option<&Route>,
+        request: Request<Body>,
+    ) -> Response {
         let Some(route) = route else {
-            let Ok(response) = self.router.call(request).await;
+            let Ok(response) = router.call(request).await;
             return response;
         };
-        if let Some(answer) = refuse_declared_too_large(self.shared.body_limit, &request) {
+        if let Some(answer) = refuse_declared_too_large(shared.body_limit, &request) {
             return answer;
         }
-        let timeout = self.shared.request_timeout;
+        let timeout = shared.request_timeout;
         let limiting = route
             .limited
-            .then(|| self.shared.limiter.get())
+            .then(|| shared.limiter.get())
             .and_then(|limiter| limiter.limiting(route.template, request.method()));
         let answered = if let Some(limiting) = limiting {
             // Not boxed: with the store's answer no longer boxed either,
             // a box here cost more instructions a request in the
             // connection's work (callgrind: about 1 400, some 500 of them
             // the binary's layout) than the larger future hyper moves.
-            let work = std::pin::pin!(self.limit_then_call(limiting, request));
+            let work = std::pin::pin!(Self::limit_then_call(router, limiting, request));
             within(timeout, work).await
         } else {
-            let work = std::pin::pin!(self.router.call(request));
+            let work = std::pin::pin!(router.call(request));
             within(timeout, work).await.map(|Ok(response)| response)
         };
         match answered {
@@ -158,7 +167,11 @@ impl Front {
         }
     }
 
-    async fn limit_then_call(&mut self, limiting: Limiting, request: Request<Body>) -> Response {
+    async fn limit_then_call(
+        router: &mut Router,
+        limiting: Limiting,
+        request: Request<Body>,
+    ) -> Response {
         let peer = request
             .extensions()
             .get::<ConnectInfo<SocketAddr>>()
@@ -167,7 +180,7 @@ impl Front {
         match Verdict::from(outcome) {
             Verdict::Answer(response) => response,
             Verdict::Pass(fields) => {
-                let Ok(mut response) = self.router.call(request).await;
+                let Ok(mut response) = router.call(request).await;
                 fields.write_to(response.headers_mut());
                 response
             }
