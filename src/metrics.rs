@@ -42,7 +42,8 @@ pub const DECISIONS_TOTAL: &str = "ratelimit_decisions_total";
 /// `key_kind`.
 pub const NEAR_LIMIT_TOTAL: &str = "ratelimit_near_limit_total";
 /// Gauge: checks waiting on the store stack right now (a Redis that slows
-/// down shows here first).
+/// down shows here first). A check the stack answers when called (the
+/// in-process store, a deny-cache hit, a spent lease) never waits.
 pub const CHECKS_IN_FLIGHT: &str = "ratelimit_checks_in_flight";
 /// Gauge: 1 while this instance's Redis breaker is not closed, so policies
 /// are decided by their failure mode (local share, open or closed).
