@@ -162,7 +162,7 @@ impl Identifier {
         peer: Option<IpAddr>,
     ) -> (Result<(Identity, KeyKind), IdentityError>, bool) {
         let presented = Presented::scan(headers);
-        let ignores_forwarding = presented.forwarded && peer.is_some_and(|p| self.ignores(p));
+        let ignores_forwarding = self.ignores_presented(&presented, peer);
         (self.identify_presented(presented, peer), ignores_forwarding)
     }
 
@@ -211,7 +211,11 @@ impl Identifier {
     /// own bucket; on nearly every request, a proxy that should be trusted
     /// and is not.
     pub fn ignores_forwarding(&self, headers: &HeaderMap, peer: Option<IpAddr>) -> bool {
-        self.identify_request(headers, peer).1
+        self.ignores_presented(&Presented::scan(headers), peer)
+    }
+
+    fn ignores_presented(&self, presented: &Presented<'_>, peer: Option<IpAddr>) -> bool {
+        presented.forwarded && peer.is_some_and(|p| self.ignores(p))
     }
 
     /// Whether forwarding from `peer` is ignored: it is not a trusted proxy.
@@ -271,8 +275,9 @@ pub fn valid_key(value: &[u8]) -> Result<&str, IdentityError> {
     std::str::from_utf8(value).map_err(|_| IdentityError::ApiKeyInvalid)
 }
 
-/// `X-Api-Key`. Names as constants: a `&str` name is parsed on every
-/// lookup.
+/// `X-Api-Key`. Names as constants, compared with each header's name
+/// (and, for `X-Forwarded-For`, looked up: a `&str` name would be parsed
+/// on every lookup).
 const X_API_KEY: http::HeaderName = http::HeaderName::from_static("x-api-key");
 /// `X-Forwarded-For`.
 const X_FORWARDED_FOR: http::HeaderName = http::HeaderName::from_static("x-forwarded-for");
@@ -286,7 +291,10 @@ const X_FORWARDED_FOR: http::HeaderName = http::HeaderName::from_static("x-forwa
 #[derive(Debug, Clone)]
 struct Presented<'a> {
     /// The API key, validated but not verified; or why the request's keys
-    /// are refused (the first malformed key, else two different keys).
+    /// are refused: the first malformed key in the headers' order (a
+    /// `HeaderMap` keeps each name's lines together, names in the order
+    /// they first came), else two different keys. Which refusal is named
+    /// can change with that order; that the request is refused cannot.
     api_key: Result<Option<&'a str>, IdentityError>,
     /// Whether an `X-Forwarded-For` line came.
     forwarded: bool,

@@ -112,12 +112,15 @@ impl Hasher for KeyBits {
     }
 
     fn write_u64(&mut self, n: u64) {
-        self.0 = n;
+        // The bits themselves when written alone (the state starts at 0);
+        // combined with what came before, so a composite key still
+        // hashes all its parts.
+        self.0 = self.0.rotate_left(5) ^ n;
     }
 
     fn write_u128(&mut self, n: u128) {
         // A `BucketKey`'s derived `Hash`.
-        self.0 = n as u64;
+        self.write_u64(n as u64);
     }
 }
 
@@ -172,5 +175,8 @@ mod tests {
             assert_eq!(bits.hash_one(BucketKey(key)), key as u64, "{key:x}");
         }
         assert_ne!(bits.hash_one("ab"), bits.hash_one("ba"));
+        // A composite key hashes all its parts.
+        let (a, b) = (BucketKey(1), BucketKey(2));
+        assert_ne!(bits.hash_one((a, b)), bits.hash_one((a, a)));
     }
 }

@@ -8,7 +8,9 @@ use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
+/// A power of two: the shard is the key's top `log2(SHARDS)` bits.
 const SHARDS: usize = 16;
+const _: () = assert!(SHARDS.is_power_of_two() && SHARDS > 1);
 
 /// A shard's map, hashed by the key's low bits ([`BuildKeyBits`]): the
 /// key is a keyed hash, uniform already.
@@ -36,7 +38,7 @@ impl<V> KeyTable<V> {
         // its low bits (the map's hash) its place in it. Taking both from
         // the same bits would leave each shard's keys a sixteenth of its
         // map's slots.
-        self.shards[(key.0 >> 124) as usize % SHARDS]
+        self.shards[(key.0 >> (128 - SHARDS.trailing_zeros())) as usize]
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
     }
