@@ -322,22 +322,13 @@ impl<'a> Presented<'a> {
                 forwarded |= *name == X_FORWARDED_FOR;
                 continue;
             };
-            if let Ok(found) = &mut api_key {
-                match key {
-                    Err(malformed) => api_key = Err(malformed),
-                    Ok(key) => {
-                        if let Err(conflict) = merge(found, key) {
-                            api_key = Err(conflict);
-                        }
-                    }
-                }
-            } else if let Err(malformed) = key {
+            api_key = match (api_key, key) {
+                (Ok(mut found), Ok(key)) => merge(&mut found, key).map(|()| found),
                 // A malformed key is named over a conflict, whatever the
                 // headers' order.
-                if api_key == Err(IdentityError::ApiKeyConflict) {
-                    api_key = Err(malformed);
-                }
-            }
+                (Ok(_) | Err(IdentityError::ApiKeyConflict), Err(malformed)) => Err(malformed),
+                (refused, _) => refused,
+            };
         }
         Self {
             api_key,
