@@ -186,9 +186,15 @@ mod tests {
     use super::*;
     use crate::config::Config;
 
+    /// The policies of a config file's text.
+    fn policies(toml: &str) -> Policies {
+        let c = Config::from_toml(toml).unwrap();
+        Policies::new(&c.policies, FailureMode::Local)
+    }
+
     #[test]
     fn longest_prefix_and_method_win() {
-        let c = Config::from_toml(
+        let p = policies(
             r#"
             [[policies]]
             name = "api"
@@ -212,9 +218,7 @@ mod tests {
             route = "/api/status"
             unlimited = true
             "#,
-        )
-        .unwrap();
-        let p = Policies::new(&c.policies, FailureMode::Local);
+        );
         let name = |route, method| p.find(route, &method).map(|p| p.name.to_string());
         assert_eq!(name("/api/items", Method::GET).as_deref(), Some("api"));
         assert_eq!(
@@ -237,7 +241,7 @@ mod tests {
     /// share) has none, and is written per request.
     #[test]
     fn a_policys_own_limits_have_their_policy_field_made() {
-        let c = Config::from_toml(
+        let p = policies(
             r#"
             [[policies]]
             name = "api"
@@ -246,9 +250,7 @@ mod tests {
             rate = 1
             anonymous = { burst = 4, rate = 2 }
             "#,
-        )
-        .unwrap();
-        let p = Policies::new(&c.policies, FailureMode::Local);
+        );
         let api = p.find("/api/items", &Method::GET).unwrap();
         for (kind, text) in [
             (KeyKind::ApiKey, "\"api\";q=10;w=10"),
