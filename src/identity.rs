@@ -155,7 +155,7 @@ impl Identifier {
     }
 
     /// [`Identifier::identify`], and [`Identifier::ignores_forwarding`],
-    /// from one pass over the request's headers (see [`Presented`]).
+    /// from one pass over the request's headers.
     pub fn identify_request(
         &self,
         headers: &HeaderMap,

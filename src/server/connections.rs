@@ -9,7 +9,7 @@
 //! itself, with what hyper and hyper-util provide:
 //!
 //! - **A header timeout** (`http.header_timeout`), hyper's rule with one
-//!   timer per connection ([`head_timeout`]): the clock starts whenever a
+//!   timer per connection ([`head_timeout`](super::head_timeout)): the clock starts whenever a
 //!   connection begins waiting for a request's head, when it opens and
 //!   again when an answer is ready. So one setting closes both a client
 //!   that trickles its headers and an idle keep-alive connection.
