@@ -63,8 +63,11 @@
 //! - `cli.rs`: the flags (clap), in the file's shape;
 //! - `file.rs`: the file's shape, and every default;
 //! - `parse.rs`: periods, proxies, names, digests;
-//! - `validate.rs`: from layered [`file::Settings`] to a [`Config`], with
-//!   the field named in every error.
+//! - `validate/`: from layered [`file::Settings`] to a [`Config`], with
+//!   the field named in every error: `mod.rs` the whole and the rules
+//!   across sections, `sections.rs` HTTP, memory, failover, tracing and
+//!   hot keys, `redis.rs` the Redis URL, TLS and client, `policies.rs`
+//!   API keys, limits, algorithms and key sharding.
 //!
 //! The layering itself is figment's: defaults, then the file, then the
 //! flags, merged key by key. Its extraction errors carry the key path, which
