@@ -12,7 +12,7 @@
 //! | `GET /metrics` | Prometheus text | never |
 //!
 //! Policies match route *templates* (matched by
-//! [`RouteTable`](crate::middleware::RouteTable)'s table, as the router
+//! [`RouteTable`]'s table, as the router
 //! matches them), so `/api/items/7` and `/api/items/8` share the policy and
 //! the metric label `/api/items/{id}`.
 

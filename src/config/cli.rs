@@ -49,8 +49,11 @@ pub struct Cli {
     #[arg(long, env = "RL_BACKEND", value_enum, help = help("Where limit state lives", "backend"))]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub backend: Option<Backend>,
-    /// This instance's name in metrics and logs [default: <hostname>-<pid>]
-    #[arg(long, env = "RL_INSTANCE_ID")]
+    #[arg(
+        long,
+        env = "RL_INSTANCE_ID",
+        help = "This instance's name in metrics and logs [default: <hostname>-<pid>]"
+    )]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub instance_id: Option<String>,
     #[arg(

@@ -159,8 +159,9 @@ impl Drop for Slot {
 /// runtime's own, logs, the trace exporter's.
 pub const RESERVED_DESCRIPTORS: u64 = 64;
 
-/// The soft limit on open files in `/proc/<pid>/limits` text ("Max open
-/// files  <soft>  <hard>  files"); `None` for "unlimited" or no such line.
+/// The soft limit on open files in `/proc/<pid>/limits` text (the line
+/// `Max open files  <soft>  <hard>  files`); `None` for "unlimited" or no
+/// such line.
 pub fn open_files_limit(limits: &str) -> Option<u64> {
     limits
         .lines()
