@@ -327,6 +327,17 @@ mod tests {
         h.get(name).unwrap().to_str().unwrap()
     }
 
+    /// No fields (an unlimited route, shadow mode, a request failed open)
+    /// write nothing, and leave the API's own headers alone.
+    #[test]
+    fn no_fields_write_nothing() {
+        let mut h = HeaderMap::new();
+        h.insert(RATELIMIT_LIMIT, HeaderValue::from_static("7"));
+        RateLimitFields::default().write_to(&mut h);
+        assert_eq!(h.len(), 1);
+        assert_eq!(h[RATELIMIT_LIMIT], "7");
+    }
+
     #[test]
     fn allowed_request_headers() {
         let limit = Limit::per_second(100, 10).unwrap();
