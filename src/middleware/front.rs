@@ -24,6 +24,15 @@
 //! request more than a bare axum handler's. The deadline's timer is armed
 //! only if the work does not finish on its first poll, so an in-process
 //! check on a route that reads no body never touches the timer wheel.
+//!
+//! The steps that take the request by value are functions returning an
+//! `async move` block rather than `async fn`s: an `async fn`'s future holds
+//! each argument twice (as captured, and as the local the body moves it
+//! into), and a request is 240 bytes. So the answer's future is 1 952
+//! bytes where it was 2 848 (`-Zprint-type-sizes`), and hyper moves it
+//! into place on every request: about 100 instructions fewer a limited
+//! request and 70 an unlimited one (callgrind), the request copied once
+//! a step, not twice, and less memory written each time the future moves.
 
 use super::Verdict;
 use super::routes::{Route, Routes};
@@ -99,90 +108,108 @@ impl Front {
     /// [`Front::handle`], and the instant the answer was ready: the clock
     /// reading its duration was measured to, which the connection's header
     /// timeout starts from as well (one clock read for both).
-    pub async fn answer(self, request: Request<Body>) -> (Response, Instant) {
-        let started = Instant::now();
-        let method = method_label(request.method());
-        let span = server_span(method, request.headers());
-        // Taken apart, so the route found in `shared` is borrowed while the
-        // router is called (not a reference count more a request).
-        let Front { mut router, shared } = self;
-        let route = shared.routes.find(request.uri().path());
-        let response = if span.is_disabled() {
-            Self::route(&mut router, &shared, route, request).await
-        } else {
-            Self::route(&mut router, &shared, route, request)
-                .instrument(span.clone())
-                .await
-        };
-        let mut response = problem_for_bare_errors(response);
-        if let Some(id) = &shared.instance_id {
-            response
-                .headers_mut()
-                .insert(INSTANCE_ID_HEADER, id.clone());
+    #[allow(
+        clippy::manual_async_fn,
+        reason = "an async fn holds the request twice; see the module docs"
+    )]
+    pub fn answer(self, request: Request<Body>) -> impl Future<Output = (Response, Instant)> {
+        async move {
+            let started = Instant::now();
+            let method = method_label(request.method());
+            let span = server_span(method, request.headers());
+            // Taken apart, so the route found in `shared` is borrowed while the
+            // router is called (not a reference count more a request).
+            let Front { mut router, shared } = self;
+            let route = shared.routes.find(request.uri().path());
+            let response = if span.is_disabled() {
+                Self::route(&mut router, &shared, route, request).await
+            } else {
+                Self::route(&mut router, &shared, route, request)
+                    .instrument(span.clone())
+                    .await
+            };
+            let mut response = problem_for_bare_errors(response);
+            if let Some(id) = &shared.instance_id {
+                response
+                    .headers_mut()
+                    .insert(INSTANCE_ID_HEADER, id.clone());
+            }
+            let status = response.status().as_u16();
+            let (template, durations) = match route {
+                Some(route) => (route.template, &route.durations),
+                None => (UNMATCHED, &shared.unmatched),
+            };
+            let answered = Instant::now();
+            durations.record(method, status, (answered - started).as_secs_f64());
+            end_server_span(&span, method, template, status);
+            (response, answered)
         }
-        let status = response.status().as_u16();
-        let (template, durations) = match route {
-            Some(route) => (route.template, &route.durations),
-            None => (UNMATCHED, &shared.unmatched),
-        };
-        let answered = Instant::now();
-        durations.record(method, status, (answered - started).as_secs_f64());
-        end_server_span(&span, method, template, status);
-        (response, answered)
     }
 
-    async fn route(
+    #[allow(
+        clippy::manual_async_fn,
+        reason = "an async fn holds the request twice; see the module docs"
+    )]
+    fn route(
         router: &mut Router,
         shared: &Shared,
         route: Option<&Route>,
         request: Request<Body>,
-    ) -> Response {
-        let Some(route) = route else {
-            let Ok(response) = router.call(request).await;
-            return response;
-        };
-        if let Some(answer) = refuse_declared_too_large(shared.body_limit, &request) {
-            return answer;
-        }
-        let timeout = shared.request_timeout;
-        let limiting = route
-            .limited
-            .then(|| shared.limiter.get())
-            .and_then(|limiter| limiter.limiting(route.template, request.method()));
-        let answered = if let Some(limiting) = limiting {
-            // Not boxed: with the store's answer no longer boxed either,
-            // a box here cost more instructions a request in the
-            // connection's work (callgrind: about 1 400, some 500 of them
-            // the binary's layout) than the larger future hyper moves.
-            let work = std::pin::pin!(Self::limit_then_call(router, limiting, request));
-            within(timeout, work).await
-        } else {
-            let work = std::pin::pin!(router.call(request));
-            within(timeout, work).await.map(|Ok(response)| response)
-        };
-        match answered {
-            Some(response) => response,
-            // Bare: made a problem, with `Connection: close`, on the way out.
-            None => StatusCode::REQUEST_TIMEOUT.into_response(),
+    ) -> impl Future<Output = Response> {
+        async move {
+            let Some(route) = route else {
+                let Ok(response) = router.call(request).await;
+                return response;
+            };
+            if let Some(answer) = refuse_declared_too_large(shared.body_limit, &request) {
+                return answer;
+            }
+            let timeout = shared.request_timeout;
+            let limiting = route
+                .limited
+                .then(|| shared.limiter.get())
+                .and_then(|limiter| limiter.limiting(route.template, request.method()));
+            let answered = if let Some(limiting) = limiting {
+                // Not boxed: with the store's answer no longer boxed either,
+                // a box here cost more instructions a request in the
+                // connection's work (callgrind: about 1 400, some 500 of them
+                // the binary's layout) than the larger future hyper moves.
+                let work = std::pin::pin!(Self::limit_then_call(router, limiting, request));
+                within(timeout, work).await
+            } else {
+                let work = std::pin::pin!(router.call(request));
+                within(timeout, work).await.map(|Ok(response)| response)
+            };
+            match answered {
+                Some(response) => response,
+                // Bare: made a problem, with `Connection: close`, on the way out.
+                None => StatusCode::REQUEST_TIMEOUT.into_response(),
+            }
         }
     }
 
-    async fn limit_then_call(
+    #[allow(
+        clippy::manual_async_fn,
+        reason = "an async fn holds the request twice; see the module docs"
+    )]
+    fn limit_then_call(
         router: &mut Router,
         limiting: Limiting,
         request: Request<Body>,
-    ) -> Response {
-        let peer = request
-            .extensions()
-            .get::<ConnectInfo<SocketAddr>>()
-            .map(|c| c.0.ip());
-        let outcome = limiting.check(request.headers(), peer).await;
-        match Verdict::from(outcome) {
-            Verdict::Answer(response) => response,
-            Verdict::Pass(fields) => {
-                let Ok(mut response) = router.call(request).await;
-                fields.write_to(response.headers_mut());
-                response
+    ) -> impl Future<Output = Response> {
+        async move {
+            let peer = request
+                .extensions()
+                .get::<ConnectInfo<SocketAddr>>()
+                .map(|c| c.0.ip());
+            let outcome = limiting.check(request.headers(), peer).await;
+            match Verdict::from(outcome) {
+                Verdict::Answer(response) => response,
+                Verdict::Pass(fields) => {
+                    let Ok(mut response) = router.call(request).await;
+                    fields.write_to(response.headers_mut());
+                    response
+                }
             }
         }
     }
