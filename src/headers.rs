@@ -196,18 +196,22 @@ impl RateLimitFields {
             ends,
             mut policy_field,
         } = self;
-        let range = |i: usize| {
-            let start = if i == 0 { 0 } else { ends[i - 1] as usize };
-            start..(ends[i] as usize).min(bytes.len())
-        };
-        let made = usize::from(policy_field.is_some());
-        headers.reserve((0..6).filter(|&i| !range(i).is_empty()).count() + made);
-        for (i, name) in Self::NAMES.into_iter().enumerate() {
-            let value = match (i, range(i)) {
-                (3, _) if policy_field.is_some() => policy_field.take(),
-                (_, range) if range.is_empty() => None,
-                (_, range) => HeaderValue::from_maybe_shared(bytes.slice(range)).ok(),
-            };
+        let mut start = 0;
+        let values: [Option<HeaderValue>; 6] = std::array::from_fn(|i| {
+            let range = start..(ends[i] as usize).min(bytes.len());
+            start = ends[i] as usize;
+            if i == 3
+                && let Some(made) = policy_field.take()
+            {
+                return Some(made);
+            }
+            if range.is_empty() {
+                return None;
+            }
+            HeaderValue::from_maybe_shared(bytes.slice(range)).ok()
+        });
+        headers.reserve(values.iter().flatten().count());
+        for (name, value) in Self::NAMES.into_iter().zip(values) {
             if let Some(value) = value {
                 headers.insert(name, value);
             }
