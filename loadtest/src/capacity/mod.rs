@@ -41,7 +41,7 @@ use model::{KEPT_UP, Point, bound_by, knee, mean_in_flight, rtt_bound};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 use step::{Row, Variant, ping_rtt, step};
-use testkit::{RedisServer, TempDir};
+use testkit::{Fleet, RedisServer, TempDir};
 
 #[derive(Debug, Args)]
 pub struct CapacityArgs {
@@ -142,23 +142,19 @@ pub async fn run(args: CapacityArgs) -> anyhow::Result<()> {
         .pool_max_idle_per_host(args.in_flight)
         .build()?;
 
+    // An instance with no Redis behind it: only it and this generator
+    // share the machine.
+    let in_process = |name: &str, fleet: &Fleet| Variant {
+        name: name.into(),
+        rtt: Duration::ZERO,
+        base: fleet.urls[0].clone(),
+        path: "/api/items",
+        pid: fleet.pids()[0],
+        sharing: vec![generator, fleet.pids()[0]],
+    };
     let mut variants = vec![
-        Variant {
-            name: "no limiter".into(),
-            rtt: Duration::ZERO,
-            base: unlimited.urls[0].clone(),
-            path: "/api/items",
-            pid: unlimited.pids()[0],
-            sharing: vec![generator, unlimited.pids()[0]],
-        },
-        Variant {
-            name: "memory".into(),
-            rtt: Duration::ZERO,
-            base: memory.urls[0].clone(),
-            path: "/api/items",
-            pid: memory.pids()[0],
-            sharing: vec![generator, memory.pids()[0]],
-        },
+        in_process("no limiter", &unlimited),
+        in_process("memory", &memory),
     ];
     for rtt in &args.rtts {
         variants.push(Variant {
