@@ -211,7 +211,23 @@ impl RedisServer {
 
     /// SIGSTOP: the server hangs; connections stay open, nothing answers.
     pub fn pause(&self) -> anyhow::Result<()> {
-        self.signal(Signal::SIGSTOP)
+        self.signal(Signal::SIGSTOP)?;
+        // kill(2) returns once the signal is sent, not once the server has
+        // stopped: until the kernel says so, a command sent next could
+        // still be answered (a test saw it). Wait for the stopped state.
+        let pid = self.pid().context("redis-server is not running")?;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+            let state = stat
+                .rsplit_once(") ")
+                .and_then(|(_, rest)| rest.chars().next());
+            if state == Some('T') {
+                return Ok(());
+            }
+            ensure!(Instant::now() < deadline, "redis-server {pid} did not stop");
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     /// SIGCONT: the hung server carries on with what queued up.
