@@ -37,7 +37,6 @@ use crate::limiter::CurrentLimiter;
 use crate::metrics as m;
 use crate::middleware::Front;
 use axum::body::Body;
-use axum::extract::ConnectInfo;
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use hyper_util::server::graceful::GracefulShutdown;
@@ -248,16 +247,15 @@ pub async fn serve_connections(
         let front = front.clone();
         let clock = HeadClock::new(Instant::now());
         let io = HeadTimeout::new(stream, Arc::clone(&clock), settings.header_timeout);
-        let service = hyper::service::service_fn(move |mut request: http::Request<Incoming>| {
+        let service = hyper::service::service_fn(move |request: http::Request<Incoming>| {
             clock.answering();
-            // What axum's `into_make_service_with_connect_info` adds: the
-            // identity of an anonymous client is its peer address.
-            request.extensions_mut().insert(ConnectInfo(peer));
             // Unboxed: hyper keeps the future as its own type.
             let front = front.clone();
             let clock = Arc::clone(&clock);
             async move {
-                let (response, answered) = front.answer(request.map(Body::new)).await;
+                // The identity of an anonymous client is its peer address.
+                let (response, answered) =
+                    front.answer(request.map(Body::new), Some(peer.ip())).await;
                 clock.waiting_from(answered);
                 Ok::<_, Infallible>(response)
             }
