@@ -50,7 +50,7 @@ use super::routes::{Route, Routes};
 use crate::config::HttpConfig;
 use crate::headers::Problem;
 use crate::limiter::{CurrentLimiter, Limiting};
-use crate::telemetry::http::{Durations, UNMATCHED, end_server_span, method_label, server_span};
+use crate::telemetry::http::{Durations, MethodLabel, UNMATCHED, end_server_span, server_span};
 use axum::Router;
 use axum::body::Body;
 use axum::extract::ConnectInfo;
@@ -142,8 +142,8 @@ impl Front {
     ) -> impl Future<Output = (Response, Instant)> {
         async move {
             let started = Instant::now();
-            let method = method_label(request.method());
-            let span = server_span(method, request.headers());
+            let method = MethodLabel::of(request.method());
+            let span = server_span(method.as_str(), request.headers());
             // Taken apart, so the route found in `shared` is borrowed while the
             // router is called (not a reference count more a request).
             let Front { mut router, shared } = self;
@@ -168,7 +168,7 @@ impl Front {
             };
             let answered = Instant::now();
             durations.record(method, status, (answered - started).as_secs_f64());
-            end_server_span(&span, method, template, status);
+            end_server_span(&span, method.as_str(), template, status);
             (response, answered)
         }
     }
