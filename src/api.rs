@@ -319,7 +319,7 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
 /// endpoints that are never limited (a throttled health check would take a
 /// healthy instance out of its balancer), with [`Front`] in front.
 pub fn app(state: AppState) -> Front {
-    let (router, routes) = RouteTable::default()
+    let routes = RouteTable::default()
         .limited("/api/items", get(list_items))
         .limited("/api/items/{id}", get(get_item))
         // The one route that reads a body: streamed (chunked) bodies are
@@ -332,11 +332,16 @@ pub fn app(state: AppState) -> Front {
         .limited("/api/status", get(status))
         .unlimited("/healthz", get(healthz))
         .unlimited("/readyz", get(readyz))
-        .unlimited("/metrics", get(metrics))
-        .finish();
+        .unlimited("/metrics", get(metrics));
     let limiter = Arc::clone(&state.limiter);
     let http = state.http.clone();
     let instance_id = Arc::clone(&state.instance_id);
-    let router = router.fallback(no_route).with_state(state);
-    Front::new(router, routes, limiter, &http, &instance_id)
+    let (router, routes) = routes.finish(state);
+    Front::new(
+        router.fallback(no_route),
+        routes,
+        limiter,
+        &http,
+        &instance_id,
+    )
 }

@@ -12,8 +12,10 @@
 //!    the rest of a stalled body is never read): the limiter decides (for
 //!    the API's routes, where a policy limits them: an unlimited policy's
 //!    route costs no check) and answers 429, 400, 401, 503 or 500 itself,
-//!    or the router calls the handler and the RateLimit headers go on its
-//!    answer.
+//!    or the route's handler runs and the RateLimit headers go on its
+//!    answer. A route whose template has no parameters is called without
+//!    the router, which would only match the path again
+//!    ([`Route::dispatch`]).
 //! 5. Bare errors from below (axum's 405, the 408) get problem+json
 //!    bodies; every response gets `X-Instance-Id`; the duration goes into
 //!    `http_server_request_duration_seconds` by route, method and status.
@@ -202,10 +204,12 @@ impl Front {
                 // a box here cost more instructions a request in the
                 // connection's work (callgrind: about 1 400, some 500 of them
                 // the binary's layout) than the larger future hyper moves.
-                let work = std::pin::pin!(Self::limit_then_call(router, limiting, request, peer));
+                let work = std::pin::pin!(Self::limit_then_call(
+                    router, route, limiting, request, peer
+                ));
                 within(timeout, work).await
             } else {
-                let work = std::pin::pin!(router.call(request));
+                let work = std::pin::pin!(route.dispatch(router, request));
                 within(timeout, work).await.map(|Ok(response)| response)
             };
             match answered {
@@ -222,6 +226,7 @@ impl Front {
     )]
     fn limit_then_call(
         router: &mut Router,
+        route: &Route,
         limiting: Limiting,
         request: Request<Body>,
         peer: Option<IpAddr>,
@@ -231,7 +236,7 @@ impl Front {
             match Verdict::from(outcome) {
                 Verdict::Answer(response) => response,
                 Verdict::Pass(fields) => {
-                    let Ok(mut response) = router.call(request).await;
+                    let Ok(mut response) = route.dispatch(router, request).await;
                     fields.write_to(response.headers_mut());
                     response
                 }

@@ -7,10 +7,26 @@
 //! [`RouteTable`] is the only way to add a route, and it adds each to both,
 //! so the two cannot disagree; both match with `matchit` on the raw path,
 //! which is what axum's router does.
+//!
+//! A route whose template has no parameters is then called without the
+//! router ([`Route::dispatch`]): the table has matched the path already,
+//! and the router would match it again, look its endpoint up, and give the
+//! request its (empty) path parameters as an extension, which allocates
+//! the request's type map. Only the router can give a handler its path
+//! parameters, so a template with any goes through it. The router adds
+//! nothing else (its fallback answers paths no route matches), so a layer
+//! belongs on a route's [`MethodRouter`] (as the body limit on
+//! `/api/orders` is), never on the whole router.
 
 use crate::telemetry::http::Durations;
 use axum::Router;
+use axum::body::Body;
 use axum::routing::MethodRouter;
+use axum::routing::future::RouteFuture;
+use http::Request;
+use std::convert::Infallible;
+use std::sync::{Mutex, PoisonError};
+use tower::Service as _;
 
 /// One route: its template, and whether the limiter decides its requests.
 #[derive(Debug)]
@@ -24,6 +40,26 @@ pub struct Route {
     pub limited: bool,
     /// Its request durations, by method and status.
     pub durations: Durations,
+    /// Its handlers, for a template without parameters (see the module
+    /// docs). Behind a lock only because axum's `MethodRouter` takes
+    /// `&mut self` to be called; the call makes the handler's future and
+    /// returns, so the lock is held for that much and never across a wait.
+    direct: Option<Mutex<MethodRouter>>,
+}
+
+impl Route {
+    /// Calls the route's handlers with `request`, whose path this route
+    /// matched: directly for a template without parameters, else through
+    /// `router` (the one the table was built with).
+    pub fn dispatch(&self, router: &mut Router, request: Request<Body>) -> RouteFuture<Infallible> {
+        match &self.direct {
+            Some(handlers) => handlers
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .call(request),
+            None => router.call(request),
+        }
+    }
 }
 
 /// The templates, matched like axum's router matches them.
@@ -46,6 +82,9 @@ impl Routes {
 pub struct RouteTable<S> {
     router: Router<S>,
     routes: Routes,
+    /// Each route's handlers, by its place in `routes`, for a template
+    /// without parameters; given the state in [`RouteTable::finish`].
+    direct: Vec<Option<MethodRouter<S>>>,
 }
 
 impl<S> Default for RouteTable<S>
@@ -59,6 +98,7 @@ where
                 matcher: matchit::Router::new(),
                 routes: Vec::new(),
             },
+            direct: Vec::new(),
         }
     }
 }
@@ -78,6 +118,10 @@ where
     }
 
     fn add(mut self, template: &'static str, handler: MethodRouter<S>, limited: bool) -> Self {
+        // `{name}` or `{*rest}`; `{{` and `}}` are literal braces, which
+        // leave no parameter (counted as one: the router then serves it).
+        let parameters = template.contains('{');
+        self.direct.push((!parameters).then(|| handler.clone()));
         // axum panics first on a template it cannot take or a repeat.
         self.router = self.router.route(template, handler);
         self.routes
@@ -88,13 +132,23 @@ where
             template,
             limited,
             durations: Durations::new(template),
+            direct: None,
         });
         self
     }
 
-    /// The router (its fallback and state still to set) and the table.
-    pub fn finish(self) -> (Router<S>, Routes) {
-        (self.router, self.routes)
+    /// The router and the table, both given `state` (the router's
+    /// fallback, for paths no route matches, still to set).
+    pub fn finish(self, state: S) -> (Router, Routes) {
+        let Self {
+            router,
+            mut routes,
+            direct,
+        } = self;
+        for (route, handlers) in routes.routes.iter_mut().zip(direct) {
+            route.direct = handlers.map(|h| Mutex::new(h.with_state(state.clone())));
+        }
+        (router.with_state(state), routes)
     }
 }
 
@@ -117,7 +171,7 @@ mod tests {
             .limited("/api/orders", echo())
             .limited("/api/status", echo())
             .unlimited("/healthz", echo())
-            .finish();
+            .finish(());
         (router, routes)
     }
 
@@ -176,5 +230,89 @@ mod tests {
                 "{path}"
             );
         }
+    }
+
+    /// What a route answers, whole.
+    async fn answer(
+        future: RouteFuture<Infallible>,
+    ) -> (StatusCode, Vec<(String, String)>, Vec<u8>) {
+        let Ok(response) = future.await;
+        let status = response.status();
+        let mut headers: Vec<(String, String)> = response
+            .headers()
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.to_str().unwrap().to_owned()))
+            .collect();
+        headers.sort();
+        let body = axum::body::to_bytes(response.into_body(), 1 << 16)
+            .await
+            .unwrap();
+        (status, headers, body.to_vec())
+    }
+
+    /// A route called directly answers exactly as through axum's router,
+    /// for every method (the method router's own 405 with `Allow`, HEAD
+    /// by the GET handler, a layer on the route), and only a template
+    /// without parameters skips the router.
+    #[tokio::test]
+    async fn a_direct_call_answers_as_the_router_does() {
+        use axum::extract::{DefaultBodyLimit, Path, State};
+        use axum::routing::post;
+        let (mut router, routes) = RouteTable::<u32>::default()
+            .limited(
+                "/items",
+                get(|State(n): State<u32>| async move { format!("items {n}") }),
+            )
+            .limited(
+                "/items/{id}",
+                get(|Path(id): Path<u32>| async move { format!("item {id}") }),
+            )
+            .limited(
+                "/orders",
+                post(|body: String| async move { format!("{} bytes", body.len()) })
+                    .layer(DefaultBodyLimit::max(8)),
+            )
+            .finish(7);
+        assert!(routes.find("/items").unwrap().direct.is_some());
+        assert!(
+            routes.find("/items/3").unwrap().direct.is_none(),
+            "the router gives the parameters"
+        );
+        let cases: [(&str, &str, &str); 8] = [
+            ("GET", "/items", ""),
+            ("HEAD", "/items", ""),
+            ("POST", "/items", ""),
+            ("GET", "/items/3", ""),
+            ("DELETE", "/items/3", ""),
+            ("POST", "/orders", "1234"),
+            ("POST", "/orders", "123456789"),
+            ("GET", "/orders", ""),
+        ];
+        for (method, path, body) in cases {
+            let request = || {
+                Request::builder()
+                    .method(method)
+                    .uri(path)
+                    .body(Body::from(body.to_owned()))
+                    .unwrap()
+            };
+            let route = routes.find(path).unwrap();
+            let direct = answer(route.dispatch(&mut router, request())).await;
+            let routed = answer(router.call(request())).await;
+            assert_eq!(direct, routed, "{method} {path}");
+        }
+        // And what they answer is the handlers' (not two equal errors).
+        let route = routes.find("/items").unwrap();
+        let request = Request::get("/items").body(Body::empty()).unwrap();
+        assert_eq!(
+            answer(route.dispatch(&mut router, request)).await.2,
+            b"items 7"
+        );
+        let route = routes.find("/items/3").unwrap();
+        let request = Request::get("/items/3").body(Body::empty()).unwrap();
+        assert_eq!(
+            answer(route.dispatch(&mut router, request)).await.2,
+            b"item 3"
+        );
     }
 }

@@ -27,7 +27,7 @@ const METHODS: [&str; 10] = [
     "GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH", "_OTHER",
 ];
 
-/// A request's method as a bounded label: one of [`METHODS`], kept as its
+/// A request's method as a bounded label: one of the RFCs' methods or `_OTHER`, kept as its
 /// index so the duration series is found without hashing the name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MethodLabel(u8);
