@@ -258,7 +258,7 @@ mod tests {
     async fn a_direct_call_answers_as_the_router_does() {
         use axum::extract::{DefaultBodyLimit, Path, State};
         use axum::routing::post;
-        let (mut router, routes) = RouteTable::<u32>::default()
+        let (router, routes) = RouteTable::<u32>::default()
             .limited(
                 "/items",
                 get(|State(n): State<u32>| async move { format!("items {n}") }),
@@ -273,6 +273,9 @@ mod tests {
                     .layer(DefaultBodyLimit::max(8)),
             )
             .finish(7);
+        // A fallback for unmatched paths, as the service sets one: it
+        // must not change what a matched route answers to a wrong method.
+        let mut router = router.fallback(|| async { (StatusCode::IM_A_TEAPOT, "no such route") });
         assert!(routes.find("/items").unwrap().direct.is_some());
         assert!(
             routes.find("/items/3").unwrap().direct.is_none(),
