@@ -65,9 +65,14 @@ const USUAL_LABELS: [&str; USUAL.len()] = [
     "503",
 ];
 
+/// Where `status` is in [`USUAL`], if it is there.
+fn usual_index(status: u16) -> Option<usize> {
+    USUAL.iter().position(|&code| code == status)
+}
+
 /// The status as a label, without allocating for the usual ones.
 fn status_label(status: u16) -> Cow<'static, str> {
-    match USUAL.iter().position(|&code| code == status) {
+    match usual_index(status) {
         Some(i) => Cow::Borrowed(USUAL_LABELS[i]),
         None => Cow::Owned(status.to_string()),
     }
@@ -110,7 +115,7 @@ impl Durations {
                 "http_response_status_code" => status_label(status),
             )
         };
-        match USUAL.iter().position(|&code| code == status) {
+        match usual_index(status) {
             Some(i) => self.usual[usize::from(method.0)][i]
                 .get_or_init(register)
                 .record(seconds),
