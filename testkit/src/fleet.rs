@@ -1,6 +1,6 @@
 //! API instances as separate processes, and the hammer.
 
-use crate::process::{ChildGuard, free_port, wait_for_port};
+use crate::process::{ChildGuard, free_port, wait_for_listener};
 use anyhow::Context;
 use std::process::Command;
 use std::sync::Arc;
@@ -35,8 +35,9 @@ impl Fleet {
                 .args(["--instance-id", &format!("{id_prefix}-{i}")])
                 .spawn()
                 .context("cannot start an API instance")?;
-            children.push(ChildGuard(child));
-            wait_for_port(port, "API instance")?;
+            let mut child = ChildGuard(child);
+            wait_for_listener(&mut child, port, "API instance")?;
+            children.push(child);
             urls.push(format!("http://127.0.0.1:{port}"));
         }
         Ok(Self { urls, children })

@@ -35,7 +35,9 @@ pub mod tls;
 pub use cgroup::CpuLimit;
 pub use fleet::{Fleet, Tally, hammer};
 pub use otlp::{OtlpReceiver, ReceivedSpan};
-pub use process::{ChildGuard, TempDir, free_port, free_port_block, wait_for_port};
+pub use process::{
+    ChildGuard, TempDir, free_port, free_port_block, wait_for_listener, wait_for_port,
+};
 pub use redis::{RedisCluster, RedisServer, redis_cli};
 pub use stack::NativeStack;
 pub use tls::TestCerts;

@@ -1,17 +1,46 @@
 //! Ports, child processes and scratch directories.
 
-use anyhow::bail;
+use anyhow::{Context, bail};
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::process::Child;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-/// A free TCP port on 127.0.0.1 (free when asked; good enough for a server
-/// started on it right away).
-pub fn free_port() -> anyhow::Result<u16> {
+/// Ports this process has handed out, never handed out again. Between
+/// asking the kernel for a free port and a server binding it, a test on
+/// another thread could be given the same port (the kernel picks one at
+/// random from the ephemeral range): the second server then fails to bind,
+/// and the first answers both tests. A CI run saw exactly that.
+static HANDED_OUT: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
+
+/// Marks all of `ports` handed out, or none if any of them already was.
+fn hand_out(ports: impl Iterator<Item = u16> + Clone) -> bool {
+    let mut handed = HANDED_OUT.lock().unwrap_or_else(PoisonError::into_inner);
+    if ports.clone().any(|p| handed.contains(&p)) {
+        return false;
+    }
+    handed.extend(ports);
+    true
+}
+
+fn kernel_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())
+}
+
+/// A free TCP port on 127.0.0.1: free when asked, and never returned
+/// twice by this process (so two tests cannot be given the same one).
+pub fn free_port() -> anyhow::Result<u16> {
+    for _ in 0..1000 {
+        let port = kernel_port()?;
+        if hand_out(std::iter::once(port)) {
+            return Ok(port);
+        }
+    }
+    bail!("no free port found that this process had not handed out already")
 }
 
 /// The cluster bus of a Redis Cluster node listens this far above its port.
@@ -20,17 +49,23 @@ pub const CLUSTER_BUS_OFFSET: u16 = 10_000;
 /// `n` consecutive free ports; with `cluster_bus`, their bus ports
 /// (`CLUSTER_BUS_OFFSET` above) are free and in range too, as a Redis
 /// Cluster node needs: an ephemeral port above 55535 has no bus port, and
-/// the node refuses to start on it.
+/// the node refuses to start on it. None of them is handed out twice.
 pub fn free_port_block(n: u16, cluster_bus: bool) -> anyhow::Result<u16> {
     let bus = if cluster_bus { CLUSTER_BUS_OFFSET } else { 0 };
     let free = |port: u16| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok();
     for _ in 0..1000 {
-        let base = free_port()?;
+        let base = kernel_port()?;
         let in_range = base.checked_add(n - 1).and_then(|top| top.checked_add(bus));
         if in_range.is_none() {
             continue;
         }
-        if (base..base + n).all(|p| free(p) && (bus == 0 || free(p + bus))) {
+        let block = base..base + n;
+        let buses = block.clone().filter(|_| bus != 0).map(|p| p + bus);
+        if block
+            .clone()
+            .all(|p| free(p) && (bus == 0 || free(p + bus)))
+            && hand_out(block.chain(buses))
+        {
             return Ok(base);
         }
     }
@@ -47,6 +82,60 @@ pub fn wait_for_port(port: u16, what: &str) -> anyhow::Result<()> {
         std::thread::sleep(Duration::from_millis(20));
     }
     bail!("{what} on 127.0.0.1:{port} did not come up in 20 s")
+}
+
+/// Waits (up to 20 s) until `child` itself listens on `port`, failing at
+/// once if it exits. Something answering on the port is not enough: it
+/// could be another server that took the port first while this one failed
+/// to bind it, and a test would then pause, kill or count the wrong one.
+pub fn wait_for_listener(child: &mut ChildGuard, port: u16, what: &str) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(status) = child.0.try_wait()? {
+            bail!("{what} exited ({status}) before it listened on 127.0.0.1:{port}");
+        }
+        if listens(child.pid(), port)? {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            bail!("{what} did not listen on 127.0.0.1:{port} in 20 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Whether process `pid` holds a listening TCP socket on `port`: the
+/// socket inodes listening on the port (/proc/<pid>/net/tcp and tcp6, its
+/// network namespace) against the sockets among its open files.
+fn listens(pid: u32, port: u16) -> anyhow::Result<bool> {
+    let mut inodes = BTreeSet::new();
+    for table in ["tcp", "tcp6"] {
+        let path = format!("/proc/{pid}/net/{table}");
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            continue; // no IPv6, or the process is gone
+        };
+        for line in text.lines().skip(1) {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let (Some(local), Some(&"0A"), Some(inode)) =
+                (fields.get(1), fields.get(3), fields.get(9))
+            else {
+                continue; // 0A: LISTEN
+            };
+            let local_port = local.rsplit_once(':').map(|(_, p)| p);
+            if local_port.and_then(|p| u16::from_str_radix(p, 16).ok()) == Some(port) {
+                inodes.insert(format!("socket:[{inode}]"));
+            }
+        }
+    }
+    if inodes.is_empty() {
+        return Ok(false);
+    }
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .with_context(|| format!("cannot list the open files of process {pid}"))?;
+    Ok(fds.flatten().any(|fd| {
+        std::fs::read_link(fd.path())
+            .is_ok_and(|target| inodes.contains(target.to_string_lossy().as_ref()))
+    }))
 }
 
 /// A child process killed (SIGKILL) and reaped on drop.

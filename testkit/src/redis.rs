@@ -2,7 +2,7 @@
 //! over plain TCP or TLS only.
 
 use crate::cgroup::CpuLimit;
-use crate::process::{ChildGuard, TempDir, free_port, wait_for_port};
+use crate::process::{ChildGuard, TempDir, free_port, wait_for_listener};
 use crate::tls::TestCerts;
 use anyhow::{Context, bail, ensure};
 use nix::sys::signal::Signal;
@@ -157,12 +157,13 @@ impl RedisServer {
             .stderr(Stdio::null())
             .spawn()
             .context("cannot start redis-server (Debian: apt-get install redis-server)")?;
-        let child = ChildGuard(child);
+        let mut child = ChildGuard(child);
         if let Some(limit) = &self.cpu_limit {
             limit.add(child.pid())?;
         }
+        let listening = wait_for_listener(&mut child, self.port, "redis-server");
         self.child = Some(child);
-        wait_for_port(self.port, "redis-server")
+        listening
     }
 
     /// `redis://127.0.0.1:<port>` (`rediss://` if it speaks TLS).

@@ -56,3 +56,28 @@ fn a_cpu_limit_holds_the_server_across_a_restart() {
     let limit = redis.cpu_limit().unwrap();
     assert_eq!(limit.pids().unwrap(), vec![redis.pid().unwrap()]);
 }
+
+#[test]
+fn no_port_is_handed_out_twice() {
+    // The kernel picks free ports at random from about 14 000: two
+    // thousand asks without the record would repeat some hundreds of times.
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..2000 {
+        let port = testkit::free_port().unwrap();
+        assert!(seen.insert(port), "port {port} was handed out twice");
+    }
+    let block = testkit::free_port_block(3, true).unwrap();
+    for port in block..block + 3 {
+        assert!(seen.insert(port), "port {port} was handed out twice");
+    }
+}
+
+#[test]
+fn a_server_that_cannot_bind_its_port_does_not_start() {
+    // Another server answering on the port is not this one being up: a
+    // test would pause or count the wrong server.
+    let first = RedisServer::start().unwrap();
+    let port = first.url().rsplit_once(':').unwrap().1.parse().unwrap();
+    let error = RedisServer::start_on(port, &[]).unwrap_err().to_string();
+    assert!(error.contains("exited"), "{error}");
+}
