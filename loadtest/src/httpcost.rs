@@ -37,7 +37,9 @@
 //! `--warmup` requests, then `--requests` measured. Server CPU is the
 //! utime + stime delta of the server process (and of redis-server) in
 //! `/proc/<pid>/stat` over the measured requests, divided by them:
-//! microseconds of CPU per request. Throughput and p50/p99 are the load
+//! microseconds of CPU per request, reported whole and in user space
+//! alone (utime: the programs' own code, where they differ; the kernel's
+//! TCP path is about the same for every server). Throughput and p50/p99 are the load
 //! generator's. The variants run interleaved (each round in a rotated
 //! order), `--repeats` rounds; each round's ratios are taken within the
 //! round, then min / median / max over the rounds.
@@ -45,7 +47,7 @@
 //! Written to `--out`: `table.md` and `table.csv` (the summary), and
 //! `runs.csv` (every run).
 
-use crate::capacity::process_cpu;
+use crate::capacity::{CpuTimes, process_times};
 use crate::results::Table;
 use anyhow::{Context, ensure};
 use std::io::{Read, Write};
@@ -54,7 +56,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
-use testkit::{ChildGuard, RedisServer, TempDir, free_port, wait_for_port};
+use testkit::{ChildGuard, RedisServer, TempDir, free_port, wait_for_listener};
 
 /// The http-cost command's options.
 #[derive(Debug, Clone, clap::Args)]
@@ -117,6 +119,8 @@ struct Run {
     variant: String,
     seconds: f64,
     server_cpu: f64,
+    /// Of `server_cpu`, the time in user space.
+    server_user: f64,
     redis_cpu: f64,
     latencies_us: Vec<u32>,
     ok: usize,
@@ -133,6 +137,10 @@ impl Run {
 
     fn server_us(&self) -> f64 {
         self.server_cpu * 1e6 / self.requests() as f64
+    }
+
+    fn server_user_us(&self) -> f64 {
+        self.server_user * 1e6 / self.requests() as f64
     }
 
     fn redis_us(&self) -> f64 {
@@ -219,8 +227,13 @@ struct Tally {
 }
 
 /// Drives `port` with `args.connections` closed-loop connections: the
-/// warm-up, then the measured requests, reading `pids`' CPU around them.
-fn drive(port: u16, pids: &[u32], args: &HttpCostArgs) -> anyhow::Result<(f64, Vec<f64>, Tally)> {
+/// warm-up, then the measured requests, reading `pids`' CPU (user, kernel)
+/// around them.
+fn drive(
+    port: u16,
+    pids: &[u32],
+    args: &HttpCostArgs,
+) -> anyhow::Result<(f64, Vec<CpuTimes>, Tally)> {
     let connections = args.connections.max(1);
     // Both barriers: every connection warmed up, then all start together.
     let warmed = Arc::new(Barrier::new(connections + 1));
@@ -272,8 +285,15 @@ fn drive(port: u16, pids: &[u32], args: &HttpCostArgs) -> anyhow::Result<(f64, V
         }));
     }
     warmed.wait();
-    let cpu = || pids.iter().map(|&p| process_cpu(p).unwrap_or(f64::NAN));
-    let before: Vec<f64> = cpu().collect();
+    let cpu = || {
+        pids.iter().map(|&p| {
+            process_times(p).unwrap_or(CpuTimes {
+                user: f64::NAN,
+                system: f64::NAN,
+            })
+        })
+    };
+    let before: Vec<CpuTimes> = cpu().collect();
     let started = Instant::now();
     start.wait();
     let mut all = Tally::default();
@@ -287,7 +307,13 @@ fn drive(port: u16, pids: &[u32], args: &HttpCostArgs) -> anyhow::Result<(f64, V
         all.other += tally.other;
     }
     let seconds = started.elapsed().as_secs_f64();
-    let used = cpu().zip(before).map(|(after, b)| after - b).collect();
+    let used = cpu()
+        .zip(before)
+        .map(|(after, b)| CpuTimes {
+            user: after.user - b.user,
+            system: after.system - b.system,
+        })
+        .collect();
     all.latencies_us.sort_unstable();
     Ok((seconds, used, all))
 }
@@ -398,7 +424,7 @@ fn run_one(
                 .arg(&config);
         }
     }
-    let server = ChildGuard(
+    let mut server = ChildGuard(
         command
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
@@ -406,7 +432,7 @@ fn run_one(
             .spawn()
             .context("cannot start the server (taskset: Debian util-linux)")?,
     );
-    wait_for_port(port, variant)?;
+    wait_for_listener(&mut server, port, variant)?;
     let mut pids = vec![server.pid()];
     if variant == "lua" {
         pids.extend(redis.and_then(RedisServer::pid));
@@ -422,8 +448,9 @@ fn run_one(
         round,
         variant: variant.to_owned(),
         seconds,
-        server_cpu: cpu[0],
-        redis_cpu: cpu.get(1).copied().unwrap_or(0.0),
+        server_cpu: cpu[0].user + cpu[0].system,
+        server_user: cpu[0].user,
+        redis_cpu: cpu.get(1).map_or(0.0, |t| t.user + t.system),
         latencies_us: tally.latencies_us,
         ok: tally.ok,
         limited: tally.limited,
@@ -502,6 +529,7 @@ fn tables(runs: &[Run], variants: &[String]) -> (Table, Table, Vec<String>) {
     let mut summary = Table::new(&[
         "variant",
         "server us/request",
+        "of which user space",
         "Redis us/request",
         "vs governor (same round)",
         "vs plain (same round)",
@@ -523,6 +551,7 @@ fn tables(runs: &[Run], variants: &[String]) -> (Table, Table, Vec<String>) {
         summary.row(vec![
             v.clone(),
             spread(of(Run::server_us), 2),
+            spread(of(Run::server_user_us), 2),
             if v == "lua" {
                 spread(of(Run::redis_us), 2)
             } else {
@@ -542,6 +571,7 @@ fn tables(runs: &[Run], variants: &[String]) -> (Table, Table, Vec<String>) {
         "requests",
         "seconds",
         "server_cpu_s",
+        "server_user_s",
         "redis_cpu_s",
         "server_us_per_request",
         "redis_us_per_request",
@@ -560,6 +590,7 @@ fn tables(runs: &[Run], variants: &[String]) -> (Table, Table, Vec<String>) {
             r.requests().to_string(),
             format!("{:.3}", r.seconds),
             format!("{:.2}", r.server_cpu),
+            format!("{:.2}", r.server_user),
             format!("{:.2}", r.redis_cpu),
             format!("{:.2}", r.server_us()),
             format!("{:.2}", r.redis_us()),

@@ -591,25 +591,36 @@ fn http_cost_writes_its_tables() {
             .split('|')
             .map(str::trim)
             .collect();
-        // | variant | server us | Redis us | vs governor | vs plain | req/s | p50 | p99 | answers |
+        // | variant | server us | of which user | Redis us | vs governor | vs plain | req/s | p50 | p99 | answers |
         let median = |cell: &str| -> f64 { cell.split(" / ").nth(1).unwrap().parse().unwrap() };
         let us = median(cells[2]);
         assert!(us > 0.0 && us < 1000.0, "{variant}: {us} us per request");
-        assert!(median(cells[4]) > 0.0, "{variant}: ratio {}", cells[4]);
+        let user = median(cells[3]);
+        assert!(
+            (0.0..=us).contains(&user),
+            "{variant}: {user} us of {us} in user space"
+        );
+        assert!(median(cells[5]) > 0.0, "{variant}: ratio {}", cells[5]);
         let answers = if variant == "denied" {
             "6000 x 429"
         } else {
             "6000 x 200"
         };
-        assert_eq!(cells[9], answers, "{variant}");
+        assert_eq!(cells[10], answers, "{variant}");
         if variant == "lua" {
-            assert!(median(cells[3]) > 0.0, "Redis CPU read");
+            assert!(median(cells[4]) > 0.0, "Redis CPU read");
         }
     }
     assert!(table.contains("- memory-limited route vs tower_governor with headers: median "));
     let runs = csv_rows(&dir.join("runs.csv"));
     assert_eq!(runs.len(), 12, "6 variants x 2 rounds");
     assert!(runs.iter().all(|r| r["other"] == "0"));
+    let seconds = |r: &HashMap<String, String>, column: &str| -> f64 { r[column].parse().unwrap() };
+    assert!(
+        runs.iter()
+            .all(|r| seconds(r, "server_user_s") <= seconds(r, "server_cpu_s")),
+        "user time above the whole"
+    );
     assert!(
         std::fs::read_to_string(dir.join("table.csv"))
             .unwrap()

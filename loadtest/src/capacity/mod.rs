@@ -30,7 +30,7 @@
 mod model;
 mod step;
 
-pub(crate) use step::process_cpu;
+pub(crate) use step::{CpuTimes, process_times};
 
 use crate::instances;
 use crate::proxy::FaultProxy;

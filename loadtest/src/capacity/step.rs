@@ -10,11 +10,26 @@ use std::time::{Duration, Instant};
 use tokio::sync::Semaphore;
 
 /// CPU time (seconds) of a process so far, from /proc.
-pub(crate) fn process_cpu(pid: u32) -> Option<f64> {
+fn process_cpu(pid: u32) -> Option<f64> {
+    process_times(pid).map(|t| t.user + t.system)
+}
+
+/// A process's CPU time (seconds) in user space and in the kernel.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CpuTimes {
+    pub(crate) user: f64,
+    pub(crate) system: f64,
+}
+
+/// A process's CPU time so far, from /proc.
+pub(crate) fn process_times(pid: u32) -> Option<CpuTimes> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let fields: Vec<&str> = stat.rsplit_once(") ")?.1.split_whitespace().collect();
-    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
-    Some(ticks / 100.0) // USER_HZ
+    let seconds = |i: usize| Some(fields.get(i)?.parse::<f64>().ok()? / 100.0); // USER_HZ
+    Some(CpuTimes {
+        user: seconds(11)?,
+        system: seconds(12)?,
+    })
 }
 
 /// CPU seconds used so far by the processes that share the machine in a
