@@ -612,6 +612,7 @@ fn http_cost_writes_its_tables() {
         }
     }
     assert!(table.contains("- memory-limited route vs tower_governor with headers: median "));
+    assert!(table.contains("- memory-limited route vs tower_governor, user space alone: "));
     let runs = csv_rows(&dir.join("runs.csv"));
     assert_eq!(runs.len(), 12, "6 variants x 2 rounds");
     assert!(runs.iter().all(|r| r["other"] == "0"));
