@@ -1,8 +1,9 @@
-//! The hot-key detector on a real Redis Cluster (and on the memory
-//! backend), read from `/metrics` as Prometheus reads it: the hottest key
-//! named by tenant (or address), with the slot its Redis key really hashes
-//! to, the node that really serves that slot, and its share of that node's
-//! calls; and the signal for a proxy that is not trusted.
+//! The hot-key detector on a real Redis Cluster (and on a standalone Redis
+//! and the memory backend), read from `/metrics` as Prometheus reads it:
+//! the hottest key named by tenant (or address), with the slot its Redis
+//! key really hashes to, the node that really serves that slot, and its
+//! share of that node's calls; and the signal for a proxy that is not
+//! trusted.
 
 mod support;
 
@@ -401,5 +402,100 @@ async fn a_sharded_key_spreads_over_the_nodes_and_admits_one_burst() {
     assert_eq!(hot.len(), 3, "{text}");
     assert_eq!(nodes.len(), 3, "one sub-bucket per node: {text}");
     assert!(hot.iter().all(|(_, rate)| *rate == 2.0), "{text}");
+    server.shutdown().await;
+}
+
+/// The detector counts store calls by slot only where the slots are on
+/// several nodes, a Cluster's: on a standalone Redis every slot is on the
+/// one server, and hashing each check's key to its slot would buy nothing.
+/// Asked of the whole stack the service builds, so every wrapper passes
+/// the question on to the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slots_are_counted_only_where_they_are_spread_over_nodes() {
+    use ratelimiter::config::Config;
+    use ratelimiter::server::{build_limiter, build_stack};
+    let redis = testkit::RedisServer::start().unwrap();
+    let cluster = RedisCluster::start().unwrap();
+    let rest = r#"
+        [hot_keys]
+        tracked = 16
+        top = 3
+        [[policies]]
+        name = "api"
+        route = "/api/"
+        burst = 1000
+        rate = 1000
+        "#;
+    let url = format!("url = \"{}\"", redis.url());
+    let seeds = format!("cluster = [{}]", seeds(&cluster));
+    let backends = [
+        ("memory", "", false),
+        ("lua", url.as_str(), false),
+        ("naive", url.as_str(), false),
+        ("lua", seeds.as_str(), true),
+    ];
+    for (backend, redis, spread) in backends {
+        let config = Config::from_toml(&format!(
+            "backend = \"{backend}\"\nkey_secret = \"hot-keys-test-secret\"\n\
+             [redis]\n{redis}\n{rest}"
+        ))
+        .unwrap();
+        let stack = build_stack(&config).await.unwrap();
+        let clock = Arc::new(ManualClock::new(T0));
+        let limiter = build_limiter(&config, Arc::clone(&stack.store), clock);
+        let hot = limiter.hot_keys().expect("the detector is on");
+        assert_eq!(hot.counts_slots(), spread, "{backend} {redis}");
+    }
+}
+
+/// On a standalone Redis the detector counts no slots, and still names
+/// the server as the node of every key, each key's share of all its calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_standalone_redis_the_node_is_the_server() {
+    let redis = testkit::RedisServer::start().unwrap();
+    let clock = Arc::new(ManualClock::new(T0));
+    let config = format!(
+        r#"
+        backend = "lua"
+        key_secret = "hot-keys-test-secret"
+        [redis]
+        url = "{}"
+        prefix = "hot:"
+        [hot_keys]
+        tracked = 16
+        top = 3
+        [[api_keys]]
+        id = "tenant-hot"
+        key = "key-hot"
+        [[api_keys]]
+        id = "tenant-cold"
+        key = "key-cold"
+        [[policies]]
+        name = "api"
+        route = "/api/"
+        burst = 1000
+        rate = 1000
+        "#,
+        redis.url()
+    );
+    let server = TestServer::start(&config, clock.clone()).await;
+    let http = client();
+    for (key, n) in [("key-hot", 60), ("key-cold", 20)] {
+        for _ in 0..n {
+            let r = server.get(&http, "/api/items", &[("x-api-key", key)]).await;
+            assert_eq!(r.status(), 200);
+        }
+    }
+    clock.advance(10_000_000);
+    let text = server.metrics(&http).await;
+    let node = redis.url().replace("redis://", "");
+    let shares = samples(&text, "ratelimit_hot_key_node_share");
+    let by_key: BTreeMap<&str, (&str, f64)> = shares
+        .iter()
+        .map(|(l, v)| (l["key"].as_str(), (l["node"].as_str(), *v)))
+        .collect();
+    assert_eq!(by_key.len(), 2, "{text}");
+    assert_eq!(by_key["tenant-hot"], (node.as_str(), 0.75), "{text}");
+    assert_eq!(by_key["tenant-cold"], (node.as_str(), 0.25), "{text}");
     server.shutdown().await;
 }

@@ -94,4 +94,8 @@ impl<S: Store> Store for Deadline<S> {
     fn slot_owner(&self, slot: u16) -> Option<Arc<str>> {
         self.inner.slot_owner(slot)
     }
+
+    fn one_node(&self) -> bool {
+        self.inner.one_node()
+    }
 }

@@ -344,6 +344,10 @@ impl<S: Store> Store for Failover<S> {
     fn slot_owner(&self, slot: u16) -> Option<Arc<str>> {
         self.inner.slot_owner(slot)
     }
+
+    fn one_node(&self) -> bool {
+        self.inner.one_node()
+    }
 }
 
 fn record(t: Transition) {

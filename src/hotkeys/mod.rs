@@ -155,10 +155,12 @@ impl HotKeys {
         Self::counting(settings, true)
     }
 
-    /// A detector for a store with one node, the in-process one (whose
-    /// `slot_owner` is always `None`): a key's share is of all the store's
-    /// calls, and no check computes its key's slot (a CRC16 over its 32 hex
-    /// digits: about 350 instructions a check, callgrind). `None` when
+    /// A detector for a store on one node (`Store::one_node`: the
+    /// in-process one, or a standalone Redis): a key's share is of all the
+    /// store's calls, and no check computes its key's slot (a CRC16 over
+    /// its 32 hex digits: about 350-380 instructions a check, callgrind).
+    /// The node a key is reported on is still the store's owner of its
+    /// slot (the standalone server's address, or "memory"). `None` when
     /// `tracked` is 0.
     pub fn on_one_node(settings: HotKeySettings) -> Option<Self> {
         Self::counting(settings, false)
@@ -186,6 +188,12 @@ impl HotKeys {
     /// The settings it runs with.
     pub fn settings(&self) -> HotKeySettings {
         self.settings
+    }
+
+    /// Whether it counts store calls by Redis Cluster slot (a store on
+    /// several nodes) rather than all together (one node).
+    pub fn counts_slots(&self) -> bool {
+        self.slotted
     }
 
     /// Counts one check of `key` at `now`; `store_call`: the backend store

@@ -158,4 +158,8 @@ impl<S: Store> Store for DenyCache<S> {
     fn slot_owner(&self, slot: u16) -> Option<Arc<str>> {
         self.inner.slot_owner(slot)
     }
+
+    fn one_node(&self) -> bool {
+        self.inner.one_node()
+    }
 }

@@ -127,12 +127,12 @@ pub fn build_limiter(config: &Config, store: Arc<dyn Store>, clock: Arc<dyn Cloc
 }
 
 /// The hot-key detector `config` asks for, for `store`: keys counted by
-/// Redis Cluster slot where the store says which node serves a slot (the
-/// Redis backends), on one node where it says none (the in-process one).
-/// Asked of the store rather than the config, so a stack assembled by hand
-/// (a test's) is counted as what it is.
+/// Redis Cluster slot where the store's slots are on several nodes (a
+/// Cluster), on one node where they are not (the in-process store, a
+/// standalone Redis). Asked of the store rather than the config, so a
+/// stack assembled by hand (a test's) is counted as what it is.
 fn hot_keys(config: &Config, store: &dyn Store) -> Option<Arc<HotKeys>> {
-    let hot = if store.slot_owner(0).is_none() {
+    let hot = if store.one_node() {
         HotKeys::on_one_node(config.hot_keys)
     } else {
         HotKeys::new(config.hot_keys)

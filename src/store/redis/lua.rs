@@ -8,7 +8,9 @@ use super::call::Call;
 use super::resp::{
     Command, bulk_string, end_bulk, write_array_len, write_bulk, write_bulk_len, write_number,
 };
-use super::{RedisConnection, RedisSettings, Reply, hash_tag, redis_key, write_redis_key};
+use super::{
+    RedisConnection, RedisSettings, Reply, Topology, hash_tag, redis_key, write_redis_key,
+};
 use crate::algorithm::{Algorithm, Decision};
 use crate::key::BucketKey;
 use crate::store::{BoxFuture, Check, CheckFuture, Checked, Source, Store, StoreError};
@@ -279,6 +281,10 @@ impl Store for LuaStore {
 
     fn slot_owner(&self, slot: u16) -> Option<Arc<str>> {
         Some(Arc::clone(&self.connection.topology().owner(slot).label))
+    }
+
+    fn one_node(&self) -> bool {
+        matches!(self.connection.topology(), Topology::Standalone(_))
     }
 }
 

@@ -7,7 +7,7 @@
 //! for, and when the key expires) under the same key.
 
 use super::call::Call;
-use super::{RedisConnection, RedisSettings, redis_key};
+use super::{RedisConnection, RedisSettings, Topology, redis_key};
 use crate::algorithm::token_bucket::{self, BucketState};
 use crate::algorithm::{Algorithm, Decision, Limit};
 use crate::clock::Micros;
@@ -174,6 +174,10 @@ impl Store for NaiveStore {
 
     fn slot_owner(&self, slot: u16) -> Option<Arc<str>> {
         Some(Arc::clone(&self.connection.topology().owner(slot).label))
+    }
+
+    fn one_node(&self) -> bool {
+        matches!(self.connection.topology(), Topology::Standalone(_))
     }
 }
 
