@@ -172,12 +172,15 @@ async fn the_hot_key_is_named_with_the_slot_and_node_that_really_hold_it() {
 /// On the memory backend every key lives on one node, `memory`: a key's
 /// share is of all the instance's store calls, whatever its slot (the
 /// detector counts no slots there).
-#[tokio::test]
-async fn on_the_memory_backend_a_share_is_of_all_the_instances_calls() {
+/// On a store with one node (`backend`: its line and its `[redis]`
+/// section, if any): 60 checks of one tenant and 20 of another in a
+/// window, each key's share of all the store's calls, on `node`.
+async fn one_node_shares(backend: &str, node: &str) {
     let clock = Arc::new(ManualClock::new(T0));
-    let config = r#"
-        backend = "memory"
+    let config = format!(
+        r#"
         key_secret = "hot-keys-test-secret"
+        {backend}
         [hot_keys]
         tracked = 16
         top = 3
@@ -192,8 +195,9 @@ async fn on_the_memory_backend_a_share_is_of_all_the_instances_calls() {
         route = "/api/"
         burst = 1000
         rate = 1000
-        "#;
-    let server = TestServer::start(config, clock.clone()).await;
+        "#
+    );
+    let server = TestServer::start(&config, clock.clone()).await;
     let http = client();
     for (key, n) in [("key-hot", 60), ("key-cold", 20)] {
         for _ in 0..n {
@@ -209,12 +213,17 @@ async fn on_the_memory_backend_a_share_is_of_all_the_instances_calls() {
         .map(|(l, v)| (l["key"].as_str(), (l["node"].as_str(), *v)))
         .collect();
     assert_eq!(by_key.len(), 2, "{text}");
-    assert_eq!(by_key["tenant-hot"], ("memory", 0.75), "{text}");
-    assert_eq!(by_key["tenant-cold"], ("memory", 0.25), "{text}");
+    assert_eq!(by_key["tenant-hot"], (node, 0.75), "{text}");
+    assert_eq!(by_key["tenant-cold"], (node, 0.25), "{text}");
     let calls = samples(&text, "ratelimit_hot_key_store_calls_per_second");
     let rates: Vec<f64> = calls.iter().map(|(_, v)| *v).collect();
     assert_eq!(rates, [6.0, 2.0], "every check was the store's: {text}");
     server.shutdown().await;
+}
+
+#[tokio::test]
+async fn on_the_memory_backend_a_share_is_of_all_the_instances_calls() {
+    one_node_shares("backend = \"memory\"", "memory").await;
 }
 
 /// EVALSHA calls a Redis served (`cmdstat_evalsha`'s calls, less the
@@ -453,49 +462,9 @@ async fn slots_are_counted_only_where_they_are_spread_over_nodes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_a_standalone_redis_the_node_is_the_server() {
     let redis = testkit::RedisServer::start().unwrap();
-    let clock = Arc::new(ManualClock::new(T0));
-    let config = format!(
-        r#"
-        backend = "lua"
-        key_secret = "hot-keys-test-secret"
-        [redis]
-        url = "{}"
-        prefix = "hot:"
-        [hot_keys]
-        tracked = 16
-        top = 3
-        [[api_keys]]
-        id = "tenant-hot"
-        key = "key-hot"
-        [[api_keys]]
-        id = "tenant-cold"
-        key = "key-cold"
-        [[policies]]
-        name = "api"
-        route = "/api/"
-        burst = 1000
-        rate = 1000
-        "#,
+    let backend = format!(
+        "backend = \"lua\"\n[redis]\nurl = \"{}\"\nprefix = \"hot:\"",
         redis.url()
     );
-    let server = TestServer::start(&config, clock.clone()).await;
-    let http = client();
-    for (key, n) in [("key-hot", 60), ("key-cold", 20)] {
-        for _ in 0..n {
-            let r = server.get(&http, "/api/items", &[("x-api-key", key)]).await;
-            assert_eq!(r.status(), 200);
-        }
-    }
-    clock.advance(10_000_000);
-    let text = server.metrics(&http).await;
-    let node = redis.url().replace("redis://", "");
-    let shares = samples(&text, "ratelimit_hot_key_node_share");
-    let by_key: BTreeMap<&str, (&str, f64)> = shares
-        .iter()
-        .map(|(l, v)| (l["key"].as_str(), (l["node"].as_str(), *v)))
-        .collect();
-    assert_eq!(by_key.len(), 2, "{text}");
-    assert_eq!(by_key["tenant-hot"], (node.as_str(), 0.75), "{text}");
-    assert_eq!(by_key["tenant-cold"], (node.as_str(), 0.25), "{text}");
-    server.shutdown().await;
+    one_node_shares(&backend, &redis.url().replace("redis://", "")).await;
 }
