@@ -81,6 +81,55 @@ async fn concurrent_calls_each_get_their_own_reply() {
     assert_eq!(echo(&connection, "after").await.unwrap(), "after");
 }
 
+/// Read events Redis has handled since it started (`INFO stats`).
+fn reads_processed(redis: &RedisServer) -> u64 {
+    let info = redis.cli(&["INFO", "stats"]).unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("total_reads_processed:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("total_reads_processed in INFO stats")
+}
+
+/// The shape of a loaded service on one core: one worker, and each check
+/// awaited by its own task. The replies of one read wake all sixteen
+/// callers at once; the first to queue its next command wakes the driver,
+/// which tokio runs next (its LIFO slot). Written then, each command went
+/// out in a syscall of its own, and woke Redis for it; the driver now lets
+/// the others queue theirs first, and a round is one write, one read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn calls_that_queue_together_go_out_in_one_write() {
+    const TASKS: usize = 16;
+    const ROUNDS: usize = 50;
+    let redis = RedisServer::start().unwrap();
+    let connection = RedisConnection::connect(&settings(redis.url()))
+        .await
+        .unwrap();
+    assert_eq!(echo(&connection, "connected").await.unwrap(), "connected");
+    let before = reads_processed(&redis);
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|task| {
+            let connection = connection.clone();
+            tokio::spawn(async move {
+                for round in 0..ROUNDS {
+                    let text = format!("{task}-{round}");
+                    assert_eq!(echo(&connection, &text).await.unwrap(), text);
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    // The redis-cli of each INFO is a read or two; the first round's calls
+    // come from tasks started one by one, and may take a few writes.
+    let reads = reads_processed(&redis) - before;
+    let calls = TASKS * ROUNDS;
+    assert!(
+        reads <= ROUNDS as u64 + 10,
+        "{calls} calls in {ROUNDS} rounds took Redis {reads} reads: a round went out in many writes"
+    );
+}
+
 #[tokio::test]
 async fn a_call_past_the_response_timeout_fails_and_its_late_reply_goes_nowhere() {
     let redis = RedisServer::start().unwrap();

@@ -9,9 +9,10 @@
 //! building a `Value`. Here a call locks a mutex, writes its command
 //! straight into the bytes the driver will send, queues a oneshot and wakes
 //! the driver only if it was idle; the driver writes whatever has queued in
-//! as few writes as the socket takes, cuts the replies it reads into frames without parsing them
-//! (each frame a slice of one read buffer), and hands each to the next
-//! caller in line. The caller decodes its own frame: the check reads its
+//! as few writes as the socket takes (under concurrency it first lets the
+//! tasks ready to run queue theirs: see `Connection::take_output`), cuts
+//! the replies it reads into frames without parsing them (each frame a
+//! slice of one read buffer), and hands each to the next caller in line. The caller decodes its own frame: the check reads its
 //! bulk string in place, anything else becomes a redis crate `Value`, so
 //! the rest of the store (the naive store, readiness, script loads) keeps
 //! the redis crate's types.
@@ -415,6 +416,23 @@ struct Connection {
     /// answered since), and is then armed again.
     timer: Pin<Box<Sleep>>,
     timer_armed: bool,
+    /// Replies the last read handed out: more than one means several
+    /// callers were just woken, and their next commands are on the way.
+    delivered: usize,
+    /// The driver let the tasks ready to run go first (see
+    /// [`Connection::take_output`]); it writes at its next turn.
+    yielded: bool,
+}
+
+/// What [`Connection::take_output`] did.
+enum Take {
+    /// Took the queued commands to write.
+    Took,
+    /// Nothing to take: nothing queued, or the last write is still going.
+    Nothing,
+    /// Commands are queued, and more are likely to be in a moment: the
+    /// driver should yield once before it takes them.
+    Later,
 }
 
 impl Connection {
@@ -430,6 +448,8 @@ impl Connection {
             connected: Instant::now(),
             timer: Box::pin(tokio::time::sleep(Duration::ZERO)),
             timer_armed: false,
+            delivered: 0,
+            yielded: false,
         }
     }
 
@@ -443,8 +463,16 @@ impl Connection {
         loop {
             match self.take_output(shared, cx) {
                 Err(e) => return Poll::Ready(e),
-                Ok(false) if self.written == self.write.len() && !self.unflushed => break,
-                Ok(_) => {}
+                Ok(Take::Later) => {
+                    // To the back of the runtime's queue, behind the tasks
+                    // ready now: woken by their task, the driver would run
+                    // next (tokio's LIFO slot) and write one command a
+                    // syscall. Replies are still read below.
+                    cx.waker().wake_by_ref();
+                    break;
+                }
+                Ok(Take::Nothing) if self.written == self.write.len() && !self.unflushed => break,
+                Ok(Take::Nothing | Take::Took) => {}
             }
             match self.poll_write(cx) {
                 Poll::Ready(Err(e)) => return Poll::Ready(Some(e.into())),
@@ -459,13 +487,23 @@ impl Connection {
         Poll::Pending
     }
 
-    /// Takes the queued commands once the last ones are written (whether
-    /// it took any), and leaves the driver's waker for callers.
+    /// Takes the queued commands once the last ones are written, and
+    /// leaves the driver's waker for callers.
+    ///
+    /// Under concurrency it first yields, once: a caller that finds the
+    /// driver idle wakes it, and a task woken by the task running goes to
+    /// tokio's LIFO slot and runs next, so the driver would write that one
+    /// command before the other tasks ready to run (the callers the last
+    /// read woke, requests whose sockets turned readable together) had
+    /// queued theirs: a syscall, and a wake-up of Redis, per check. One
+    /// turn later they go out together. With no other call in flight and
+    /// the last read answering one call, nothing else is coming: it writes
+    /// at once, and a lone check waits for no one.
     fn take_output(
         &mut self,
         shared: &Shared,
         cx: &mut Context<'_>,
-    ) -> Result<bool, Option<RedisError>> {
+    ) -> Result<Take, Option<RedisError>> {
         let mut state = shared.lock();
         if state.closed {
             return Err(None);
@@ -478,12 +516,17 @@ impl Connection {
             state.driver = Some(cx.waker().clone());
         }
         if self.written == self.write.len() && !state.out.is_empty() {
+            if !self.yielded && (state.waiting.len() > 1 || self.delivered > 1) {
+                self.yielded = true;
+                return Ok(Take::Later);
+            }
+            self.yielded = false;
             self.write.clear();
             self.written = 0;
             std::mem::swap(&mut self.write, &mut state.out);
-            return Ok(true);
+            return Ok(Take::Took);
         }
-        Ok(false)
+        Ok(Take::Nothing)
     }
 
     fn poll_write(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -527,10 +570,11 @@ impl Connection {
                     Err(e) => return Poll::Ready(e.into()),
                 }
             }
-            if !self.frames.is_empty()
-                && let Err(e) = deliver(&mut shared.lock(), self.frames.drain(..))
-            {
-                return Poll::Ready(e);
+            if !self.frames.is_empty() {
+                self.delivered = self.frames.len();
+                if let Err(e) = deliver(&mut shared.lock(), self.frames.drain(..)) {
+                    return Poll::Ready(e);
+                }
             }
         }
     }
