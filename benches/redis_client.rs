@@ -12,12 +12,23 @@
 //! Each criterion "iteration" is one check, and its time is this process's
 //! CPU time (`CLOCK_PROCESS_CPUTIME_ID`: user and system, every thread),
 //! not wall time: encoding the EVALSHA, the multiplexed connection's
-//! driver, the socket syscalls, decoding the reply, the futures. The
-//! runtime is tokio's current-thread one, so that is all one thread's work.
-//! Three depths: `1_in_flight` (each check waits for its answer: every
-//! check pays its own write and read syscalls), `16_in_flight` and
-//! `64_in_flight` (that many concurrent checks pipelined on the one
-//! connection, as under load: a batch shares one write and one read).
+//! driver, the socket syscalls, decoding the reply, the futures. Two
+//! shapes, each at three depths (1: each check waits for its answer, and
+//! pays its own write and read syscalls; 16 and 64: that many concurrent
+//! checks pipelined on the one connection, as under load, a batch sharing
+//! one write and one read):
+//!
+//! - `N_in_flight`: N checks at a time in one `FuturesUnordered`, on
+//!   tokio's current-thread runtime (all one thread's work).
+//! - `N_tasks`: as the service runs them, each check awaited by its own
+//!   task (the service's is the request's connection task), N tasks each
+//!   checking in a loop, on a multi-thread runtime with one worker, as a
+//!   service pinned to one core has (`BENCH_WORKERS=2` gives it two, both
+//!   on the CPU the bench is pinned to). This shape showed what the first
+//!   hid: a task woken by the running task runs next (tokio's LIFO slot),
+//!   so the connection's driver wrote each check in its own syscall until
+//!   it learned to yield once under concurrency (`src/store/redis/pipe.rs`,
+//!   `Connection::take_output`).
 //!
 //! Redis's side over the same window (warm-up included, as for ours):
 //! `INFO commandstats` (`usec` per EVALSHA: the script's own time) and
@@ -47,6 +58,8 @@ use ratelimiter::store::redis::{RedisConnection, RedisSettings};
 use ratelimiter::store::{BucketKey, Check, LuaStore};
 use ratelimiter::telemetry;
 use std::cell::Cell;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use testkit::RedisServer;
 
@@ -104,6 +117,24 @@ async fn server_stats(admin: &mut RedisConnection) -> ServerStats {
         usec: get("usec"),
         cpu: field(&info, "used_cpu_user") + field(&info, "used_cpu_sys"),
     }
+}
+
+/// The line after each bench: our CPU per check against Redis's, over the
+/// bench's whole window (warm-up included, as for ours).
+fn report(name: &str, before: ServerStats, after: ServerStats, client: Duration, checks: u64) {
+    // Our INFO calls are not EVALSHAs; their server CPU is negligible
+    // beside hundreds of thousands of checks.
+    let calls = after.calls - before.calls;
+    let script_us = (after.usec - before.usec) / calls;
+    let server_us = (after.cpu - before.cpu) * 1e6 / calls;
+    let client_us = client.as_secs_f64() * 1e6 / checks as f64;
+    println!(
+        "{name}: {checks} checks; client CPU {client_us:.2} us/check; Redis EVALSHA \
+         {script_us:.2} us/call (commandstats), server CPU {server_us:.2} us/check \
+         (INFO cpu); client/script {:.2}, client/server CPU {:.2}",
+        client_us / script_us,
+        client_us / server_us,
+    );
 }
 
 fn redis_client(c: &mut Criterion) {
@@ -178,21 +209,64 @@ fn redis_client(c: &mut Criterion) {
             })
         });
         let after = runtime.block_on(server_stats(&mut admin));
-        // Our INFO calls are not EVALSHAs; their server CPU is negligible
-        // beside hundreds of thousands of checks.
-        let calls = after.calls - before.calls;
-        let script_us = (after.usec - before.usec) / calls;
-        let server_us = (after.cpu - before.cpu) * 1e6 / calls;
-        let client_us = client.as_secs_f64() * 1e6 / checks as f64;
-        println!(
-            "{name}: {checks} checks; client CPU {client_us:.2} us/check; Redis EVALSHA \
-             {script_us:.2} us/call (commandstats), server CPU {server_us:.2} us/check \
-             (INFO cpu); client/script {:.2}, client/server CPU {:.2}",
-            client_us / script_us,
-            client_us / server_us,
-        );
+        report(&name, before, after, client, checks);
+    }
+
+    // The service's shape: a multi-thread runtime, a task per check in
+    // flight. Its own connection, whose driver runs on that runtime.
+    let workers = std::env::var("BENCH_WORKERS").map_or(1, |w| {
+        w.parse()
+            .expect("BENCH_WORKERS: a number of worker threads")
+    });
+    let service = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let store = Arc::new(LuaStore::new(
+        service
+            .block_on(RedisConnection::connect(&settings))
+            .expect("connect"),
+        &settings,
+    ));
+    let next_key = Arc::new(AtomicU64::new(0));
+    for depth in [1u64, 16, 64] {
+        let name = format!("{depth}_tasks");
+        let before = runtime.block_on(server_stats(&mut admin));
+        let (mut client, mut checks) = (Duration::ZERO, 0u64);
+        group.bench_function(&name, |b| {
+            b.iter_custom(|iters| {
+                let start = process_cpu();
+                service.block_on(async {
+                    let tasks: Vec<_> = (0..depth)
+                        .map(|task| {
+                            let (store, next_key) = (Arc::clone(&store), Arc::clone(&next_key));
+                            let share = iters / depth + u64::from(task < iters % depth);
+                            tokio::spawn(async move {
+                                for _ in 0..share {
+                                    let n = next_key.fetch_add(1, Ordering::Relaxed);
+                                    let key = BucketKey(u128::from(n) % KEYS);
+                                    let check = Check::new(key, limit, 1, now);
+                                    store.decide(&check).await.expect("check");
+                                }
+                            })
+                        })
+                        .collect();
+                    for task in tasks {
+                        task.await.expect("a checking task");
+                    }
+                });
+                let spent = process_cpu() - start;
+                client += spent;
+                checks += iters;
+                spent
+            })
+        });
+        let after = runtime.block_on(server_stats(&mut admin));
+        report(&name, before, after, client, checks);
     }
     group.finish();
+    drop(service);
     drop(server);
 }
 
