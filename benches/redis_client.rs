@@ -47,7 +47,8 @@
 //! with them, the histogram's recording included, in the same change as
 //! `write_number`'s single append).
 
-use criterion::{Criterion, criterion_group};
+use criterion::measurement::WallTime;
+use criterion::{BenchmarkGroup, Criterion, criterion_group};
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 use nix::time::{ClockId, clock_gettime};
@@ -62,6 +63,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use testkit::RedisServer;
+use tokio::runtime::Runtime;
 
 const KEYS: u128 = 10_000;
 
@@ -119,9 +121,29 @@ async fn server_stats(admin: &mut RedisConnection) -> ServerStats {
     }
 }
 
-/// The line after each bench: our CPU per check against Redis's, over the
+/// Benches `name`: `run(iters)` makes that many checks, and its time is
+/// this process's CPU. The line after compares ours with Redis's, over the
 /// bench's whole window (warm-up included, as for ours).
-fn report(name: &str, before: ServerStats, after: ServerStats, client: Duration, checks: u64) {
+fn measure(
+    group: &mut BenchmarkGroup<'_, WallTime>,
+    name: &str,
+    runtime: &Runtime,
+    admin: &mut RedisConnection,
+    mut run: impl FnMut(u64),
+) {
+    let before = runtime.block_on(server_stats(admin));
+    let (mut client, mut checks) = (Duration::ZERO, 0u64);
+    group.bench_function(name, |b| {
+        b.iter_custom(|iters| {
+            let start = process_cpu();
+            run(iters);
+            let spent = process_cpu() - start;
+            client += spent;
+            checks += iters;
+            spent
+        })
+    });
+    let after = runtime.block_on(server_stats(admin));
     // Our INFO calls are not EVALSHAs; their server CPU is negligible
     // beside hundreds of thousands of checks.
     let calls = after.calls - before.calls;
@@ -177,39 +199,28 @@ fn redis_client(c: &mut Criterion) {
         .measurement_time(Duration::from_secs(5));
     for depth in [1u64, 16, 64] {
         let name = format!("{depth}_in_flight");
-        let before = runtime.block_on(server_stats(&mut admin));
-        let (mut client, mut checks) = (Duration::ZERO, 0u64);
-        group.bench_function(&name, |b| {
-            b.iter_custom(|iters| {
-                let start = process_cpu();
-                runtime.block_on(async {
-                    let mut left = iters;
-                    while left > 0 {
-                        let now = left.min(depth);
-                        // One `FuturesUnordered` at every depth: `join_all`
-                        // changes how it polls above 30 futures, which would
-                        // make the deep run's harness differ from the others'.
-                        let mut batch: FuturesUnordered<_> = (0..now)
-                            .map(|_| {
-                                let check = check();
-                                let store = &store;
-                                async move { store.decide(&check).await }
-                            })
-                            .collect();
-                        while let Some(result) = batch.next().await {
-                            result.expect("check");
-                        }
-                        left -= now;
+        measure(&mut group, &name, &runtime, &mut admin, |iters| {
+            runtime.block_on(async {
+                let mut left = iters;
+                while left > 0 {
+                    let now = left.min(depth);
+                    // One `FuturesUnordered` at every depth: `join_all`
+                    // changes how it polls above 30 futures, which would
+                    // make the deep run's harness differ from the others'.
+                    let mut batch: FuturesUnordered<_> = (0..now)
+                        .map(|_| {
+                            let check = check();
+                            let store = &store;
+                            async move { store.decide(&check).await }
+                        })
+                        .collect();
+                    while let Some(result) = batch.next().await {
+                        result.expect("check");
                     }
-                });
-                let spent = process_cpu() - start;
-                client += spent;
-                checks += iters;
-                spent
+                    left -= now;
+                }
             })
         });
-        let after = runtime.block_on(server_stats(&mut admin));
-        report(&name, before, after, client, checks);
     }
 
     // The service's shape: a multi-thread runtime, a task per check in
@@ -232,38 +243,27 @@ fn redis_client(c: &mut Criterion) {
     let next_key = Arc::new(AtomicU64::new(0));
     for depth in [1u64, 16, 64] {
         let name = format!("{depth}_tasks");
-        let before = runtime.block_on(server_stats(&mut admin));
-        let (mut client, mut checks) = (Duration::ZERO, 0u64);
-        group.bench_function(&name, |b| {
-            b.iter_custom(|iters| {
-                let start = process_cpu();
-                service.block_on(async {
-                    let tasks: Vec<_> = (0..depth)
-                        .map(|task| {
-                            let (store, next_key) = (Arc::clone(&store), Arc::clone(&next_key));
-                            let share = iters / depth + u64::from(task < iters % depth);
-                            tokio::spawn(async move {
-                                for _ in 0..share {
-                                    let n = next_key.fetch_add(1, Ordering::Relaxed);
-                                    let key = BucketKey(u128::from(n) % KEYS);
-                                    let check = Check::new(key, limit, 1, now);
-                                    store.decide(&check).await.expect("check");
-                                }
-                            })
+        measure(&mut group, &name, &runtime, &mut admin, |iters| {
+            service.block_on(async {
+                let tasks: Vec<_> = (0..depth)
+                    .map(|task| {
+                        let (store, next_key) = (Arc::clone(&store), Arc::clone(&next_key));
+                        let share = iters / depth + u64::from(task < iters % depth);
+                        tokio::spawn(async move {
+                            for _ in 0..share {
+                                let n = next_key.fetch_add(1, Ordering::Relaxed);
+                                let key = BucketKey(u128::from(n) % KEYS);
+                                let check = Check::new(key, limit, 1, now);
+                                store.decide(&check).await.expect("check");
+                            }
                         })
-                        .collect();
-                    for task in tasks {
-                        task.await.expect("a checking task");
-                    }
-                });
-                let spent = process_cpu() - start;
-                client += spent;
-                checks += iters;
-                spent
+                    })
+                    .collect();
+                for task in tasks {
+                    task.await.expect("a checking task");
+                }
             })
         });
-        let after = runtime.block_on(server_stats(&mut admin));
-        report(&name, before, after, client, checks);
     }
     group.finish();
     drop(service);
