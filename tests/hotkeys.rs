@@ -169,9 +169,18 @@ async fn the_hot_key_is_named_with_the_slot_and_node_that_really_hold_it() {
     server.shutdown().await;
 }
 
-/// On the memory backend every key lives on one node, `memory`: a key's
-/// share is of all the instance's store calls, whatever its slot (the
-/// detector counts no slots there).
+/// The detector and the one policy every one-node test here runs under.
+const DETECTOR_AND_POLICY: &str = r#"
+    [hot_keys]
+    tracked = 16
+    top = 3
+    [[policies]]
+    name = "api"
+    route = "/api/"
+    burst = 1000
+    rate = 1000
+    "#;
+
 /// On a store with one node (`backend`: its line and its `[redis]`
 /// section, if any): 60 checks of one tenant and 20 of another in a
 /// window, each key's share of all the store's calls, on `node`.
@@ -181,21 +190,13 @@ async fn one_node_shares(backend: &str, node: &str) {
         r#"
         key_secret = "hot-keys-test-secret"
         {backend}
-        [hot_keys]
-        tracked = 16
-        top = 3
         [[api_keys]]
         id = "tenant-hot"
         key = "key-hot"
         [[api_keys]]
         id = "tenant-cold"
         key = "key-cold"
-        [[policies]]
-        name = "api"
-        route = "/api/"
-        burst = 1000
-        rate = 1000
-        "#
+        {DETECTOR_AND_POLICY}"#
     );
     let server = TestServer::start(&config, clock.clone()).await;
     let http = client();
@@ -221,6 +222,9 @@ async fn one_node_shares(backend: &str, node: &str) {
     server.shutdown().await;
 }
 
+/// On the memory backend every key lives on one node, `memory`: a key's
+/// share is of all the instance's store calls, whatever its slot (the
+/// detector counts no slots there).
 #[tokio::test]
 async fn on_the_memory_backend_a_share_is_of_all_the_instances_calls() {
     one_node_shares("backend = \"memory\"", "memory").await;
@@ -425,16 +429,6 @@ async fn slots_are_counted_only_where_they_are_spread_over_nodes() {
     use ratelimiter::server::{build_limiter, build_stack};
     let redis = testkit::RedisServer::start().unwrap();
     let cluster = RedisCluster::start().unwrap();
-    let rest = r#"
-        [hot_keys]
-        tracked = 16
-        top = 3
-        [[policies]]
-        name = "api"
-        route = "/api/"
-        burst = 1000
-        rate = 1000
-        "#;
     let url = format!("url = \"{}\"", redis.url());
     let seeds = format!("cluster = [{}]", seeds(&cluster));
     let backends = [
@@ -446,7 +440,7 @@ async fn slots_are_counted_only_where_they_are_spread_over_nodes() {
     for (backend, redis, spread) in backends {
         let config = Config::from_toml(&format!(
             "backend = \"{backend}\"\nkey_secret = \"hot-keys-test-secret\"\n\
-             [redis]\n{redis}\n{rest}"
+             [redis]\n{redis}\n{DETECTOR_AND_POLICY}"
         ))
         .unwrap();
         let stack = build_stack(&config).await.unwrap();

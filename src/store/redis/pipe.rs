@@ -12,10 +12,11 @@
 //! as few writes as the socket takes (under concurrency it first lets the
 //! tasks ready to run queue theirs: see `Connection::take_output`), cuts
 //! the replies it reads into frames without parsing them (each frame a
-//! slice of one read buffer), and hands each to the next caller in line. The caller decodes its own frame: the check reads its
-//! bulk string in place, anything else becomes a redis crate `Value`, so
-//! the rest of the store (the naive store, readiness, script loads) keeps
-//! the redis crate's types.
+//! slice of one read buffer), and hands each to the next caller in line.
+//! The caller decodes its own frame: the check reads its bulk string in
+//! place, anything else becomes a redis crate `Value`, so the rest of the
+//! store (the naive store, readiness, script loads) keeps the redis
+//! crate's types.
 //!
 //! What the redis crate's `ConnectionManager` did, kept:
 //! - Lazy: the first call connects (TCP, TLS for `rediss://`, then AUTH
