@@ -22,7 +22,7 @@
 //!
 //! `cargo run --release -p loadtest -- http-cost` measures server CPU per
 //! request over HTTP beside tower_governor and plain axum (see
-//! `httpcost.rs`).
+//! `httpcost/`).
 //!
 //! `cargo run -p loadtest -- outage` kills, hangs, slows and black-holes
 //! Redis under load (see `outage.rs`) and measures what each failure mode

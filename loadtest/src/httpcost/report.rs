@@ -1,0 +1,160 @@
+//! `http-cost`'s tables: every variant's figures as min / median / max
+//! over the rounds, its ratios to the peers taken within each round, and
+//! the goals judged on the medians of those ratios.
+
+use super::Run;
+use crate::results::Table;
+
+/// `min / median / max` of `values`, with `decimals`.
+fn spread(mut values: Vec<f64>, decimals: usize) -> String {
+    if values.is_empty() || values.iter().any(|v| v.is_nan()) {
+        return "-".into();
+    }
+    values.sort_by(f64::total_cmp);
+    let median = values[values.len() / 2];
+    format!(
+        "{:.d$} / {:.d$} / {:.d$}",
+        values[0],
+        median,
+        values[values.len() - 1],
+        d = decimals
+    )
+}
+
+/// The median of `values`.
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// Each round's `variant` figure over the same round's `peer` figure.
+fn ratios(runs: &[Run], variant: &str, peer: &str, figure: fn(&Run) -> f64) -> Vec<f64> {
+    runs.iter()
+        .filter(|r| r.variant == variant)
+        .filter_map(|r| {
+            let p = runs
+                .iter()
+                .find(|p| p.variant == peer && p.round == r.round)?;
+            Some(figure(r) / figure(p))
+        })
+        .collect()
+}
+
+fn total_us(r: &Run) -> f64 {
+    r.server_us() + r.redis_us()
+}
+
+pub(super) fn tables(runs: &[Run], variants: &[String]) -> (Table, Table, Vec<String>) {
+    let mut summary = Table::new(&[
+        "variant",
+        "server us/request",
+        "of which user space",
+        "Redis us/request",
+        "vs governor (same round)",
+        "vs plain (same round)",
+        "requests/s",
+        "p50 ms",
+        "p99 ms",
+        "answers",
+    ]);
+    for v in variants {
+        let of = |f: fn(&Run) -> f64| -> Vec<f64> {
+            runs.iter().filter(|r| &r.variant == v).map(f).collect()
+        };
+        let mine: Vec<&Run> = runs.iter().filter(|r| &r.variant == v).collect();
+        let answers = if v == "denied" {
+            format!("{} x 429", mine.iter().map(|r| r.limited).sum::<usize>())
+        } else {
+            format!("{} x 200", mine.iter().map(|r| r.ok).sum::<usize>())
+        };
+        summary.row(vec![
+            v.clone(),
+            spread(of(Run::server_us), 2),
+            spread(of(Run::server_user_us), 2),
+            if v == "lua" {
+                spread(of(Run::redis_us), 2)
+            } else {
+                "-".into()
+            },
+            spread(ratios(runs, v, "governor", total_us), 2),
+            spread(ratios(runs, v, "plain", total_us), 2),
+            spread(of(Run::per_second), 0),
+            spread(of(|r| r.quantile_ms(0.5)), 3),
+            spread(of(|r| r.quantile_ms(0.99)), 3),
+            answers,
+        ]);
+    }
+    let mut all = Table::new(&[
+        "round",
+        "variant",
+        "requests",
+        "seconds",
+        "server_cpu_s",
+        "server_user_s",
+        "redis_cpu_s",
+        "server_us_per_request",
+        "redis_us_per_request",
+        "requests_per_second",
+        "p50_ms",
+        "p99_ms",
+        "ok",
+        "limited",
+        "other",
+        "fallback_decisions",
+    ]);
+    for r in runs {
+        all.row(vec![
+            r.round.to_string(),
+            r.variant.clone(),
+            r.requests().to_string(),
+            format!("{:.3}", r.seconds),
+            format!("{:.2}", r.server_cpu),
+            format!("{:.2}", r.server_user),
+            format!("{:.2}", r.redis_cpu),
+            format!("{:.2}", r.server_us()),
+            format!("{:.2}", r.redis_us()),
+            format!("{:.0}", r.per_second()),
+            format!("{:.3}", r.quantile_ms(0.5)),
+            format!("{:.3}", r.quantile_ms(0.99)),
+            r.ok.to_string(),
+            r.limited.to_string(),
+            r.other.to_string(),
+            r.fallback.to_string(),
+        ]);
+    }
+    // The goals, each a median of same-round ratios.
+    let goal = |what: &str, variant: &str, peer: &str, bound: f64| {
+        let m = median(ratios(runs, variant, peer, total_us));
+        if m.is_nan() {
+            return format!("- {what}: not measured in this run");
+        }
+        let verdict = if m <= bound { "met" } else { "not met" };
+        format!("- {what}: median {m:.2}x, goal at most {bound:.2}x: {verdict}")
+    };
+    let mut goals = vec![
+        goal(
+            "memory-limited route vs tower_governor with headers",
+            "memory",
+            "governor",
+            1.10,
+        ),
+        goal("unlimited route vs plain axum", "unlimited", "plain", 1.05),
+    ];
+    // The same pairs in user space alone: the programs' own code, without
+    // the kernel's share, which is about the same for every server and
+    // most of the CPU. Reported, not judged: the goals are on the whole.
+    let user = |what: &str, variant: &str, peer: &str| {
+        let m = median(ratios(runs, variant, peer, Run::server_user_us));
+        if m.is_nan() {
+            return format!("- {what}, user space alone: not measured in this run");
+        }
+        format!("- {what}, user space alone: median {m:.2}x (reported)")
+    };
+    goals.push(user(
+        "memory-limited route vs tower_governor",
+        "memory",
+        "governor",
+    ));
+    goals.push(user("unlimited route vs plain axum", "unlimited", "plain"));
+    (summary, all, goals)
+}
