@@ -181,6 +181,7 @@ pub async fn run(args: CapacityArgs) -> anyhow::Result<()> {
         "turned away %",
         "CPU % (of all cores)",
         "instance cores",
+        "instance CPU us per request",
         "errors",
         "bound by",
     ]);
@@ -225,6 +226,11 @@ pub async fn run(args: CapacityArgs) -> anyhow::Result<()> {
                 format!("{:.0}", row.point.turned_away * 100.0),
                 format!("{:.0}", row.point.machine_cpu * 100.0),
                 format!("{:.2}", row.instance_cores),
+                if row.point.achieved > 0.0 {
+                    format!("{:.1}", cpu_per_request(&row))
+                } else {
+                    "-".into()
+                },
                 row.errors.to_string(),
                 bound.name().into(),
             ]);
@@ -236,6 +242,12 @@ pub async fn run(args: CapacityArgs) -> anyhow::Result<()> {
     println!("{}\n", table.markdown());
     table.write(&dir, "capacity")?;
     report(&series, args.in_flight, &dir)
+}
+
+/// The instance's CPU time per request served in a step, microseconds
+/// (`instance cores` rounds it away at low rates).
+fn cpu_per_request(r: &Row) -> f64 {
+    r.instance_cores / r.point.achieved * 1e6
 }
 
 /// A variant's steps: its name, the round trip measured to Redis (for the
@@ -259,7 +271,6 @@ fn report(series: &Series, in_flight: usize, dir: &Path) -> anyhow::Result<()> {
     // The limiter's cost as a ratio: the instance's CPU per request at the
     // highest offer that both this variant and the baseline kept up with.
     let baseline = series.first().map(|(_, _, rows)| rows);
-    let cpu_per_request = |r: &Row| r.instance_cores / r.point.achieved * 1e6;
     for (name, rtt, rows) in series {
         let points: Vec<Point> = rows.iter().map(|r| r.point).collect();
         let rtt = rtt.unwrap_or_default();
