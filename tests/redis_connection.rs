@@ -136,6 +136,80 @@ async fn calls_that_queue_together_go_out_in_one_write() {
     );
 }
 
+/// Parks of every worker of the current runtime so far.
+fn parks() -> u64 {
+    let metrics = tokio::runtime::Handle::current().metrics();
+    (0..metrics.num_workers())
+        .map(|w| metrics.worker_park_count(w))
+        .sum()
+}
+
+/// From a worker, spawns `task(n)` for n in `0..count`, 2 ms apart; how
+/// many times the runtime's workers parked meanwhile, and the tasks.
+async fn parks_while_spawning<F>(
+    count: u64,
+    task: impl Fn(u64) -> F + Send + 'static,
+) -> (u64, Vec<tokio::task::JoinHandle<F::Output>>)
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    let before = parks();
+    let tasks = tokio::spawn(async move {
+        let mut tasks = Vec::new();
+        for n in 0..count {
+            tasks.push(tokio::spawn(task(n)));
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        tasks
+    })
+    .await
+    .unwrap();
+    // A worker reports its counts when it parks.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    (parks() - before, tasks)
+}
+
+/// Calls in flight together but queued apart, one at a time (a slow
+/// Redis, requests arriving apart at a light load). Other calls in flight
+/// only hint that more commands are coming, and a yield is not free here:
+/// woken by itself, the driver counts for tokio as a task yielding, and an
+/// idle worker is woken to share the queue, a futex wake and a worker that
+/// finds nothing and parks again, per call. So the driver takes the hint
+/// only while yielding gathers commands, and then one time in eight
+/// (`Connection::should_yield`, `src/store/redis/pipe.rs`): 0-4 parks
+/// above the control here. Taking it every time cost 17-18.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_queued_alone_wakes_no_idle_worker() {
+    const CALLS: u64 = 20;
+    let redis = RedisServer::start().unwrap();
+    let settings = RedisSettings {
+        response_timeout: Duration::from_secs(10),
+        ..settings(redis.url())
+    };
+    let connection = RedisConnection::connect(&settings).await.unwrap();
+    assert_eq!(echo(&connection, "connected").await.unwrap(), "connected");
+    // The same spawning with no Redis call: what the sleeps cost.
+    let (control, _) = parks_while_spawning(CALLS, |_| async {}).await;
+    // Stopped, Redis answers nothing: every call stays in flight, and each
+    // new one finds the others waiting.
+    redis.pause().unwrap();
+    let (parked, calls) = parks_while_spawning(CALLS, move |n| {
+        let connection = connection.clone();
+        async move { echo(&connection, &n.to_string()).await }
+    })
+    .await;
+    redis.resume().unwrap();
+    for (n, call) in calls.into_iter().enumerate() {
+        assert_eq!(call.await.unwrap().unwrap(), n.to_string());
+    }
+    assert!(
+        parked < control + CALLS / 2,
+        "{CALLS} calls queued apart: the runtime's workers parked {parked} times \
+         ({control} for the same spawning without the calls)"
+    );
+}
+
 #[tokio::test]
 async fn a_call_past_the_response_timeout_fails_and_its_late_reply_goes_nowhere() {
     let redis = RedisServer::start().unwrap();

@@ -9,14 +9,14 @@
 //! building a `Value`. Here a call locks a mutex, writes its command
 //! straight into the bytes the driver will send, queues a oneshot and wakes
 //! the driver only if it was idle; the driver writes whatever has queued in
-//! as few writes as the socket takes (under concurrency it first lets the
-//! tasks ready to run queue theirs: see `Connection::take_output`), cuts
-//! the replies it reads into frames without parsing them (each frame a
-//! slice of one read buffer), and hands each to the next caller in line.
-//! The caller decodes its own frame: the check reads its bulk string in
-//! place, anything else becomes a redis crate `Value`, so the rest of the
-//! store (the naive store, readiness, script loads) keeps the redis
-//! crate's types.
+//! as few writes as the socket takes (when more are likely on the way it
+//! first lets the tasks ready to run queue theirs: see
+//! `Connection::should_yield`), cuts the replies it reads into frames
+//! without parsing them (each frame a slice of one read buffer), and hands
+//! each to the next caller in line. The caller decodes its own frame: the
+//! check reads its bulk string in place, anything else becomes a redis
+//! crate `Value`, so the rest of the store (the naive store, readiness,
+//! script loads) keeps the redis crate's types.
 //!
 //! What the redis crate's `ConnectionManager` did, kept:
 //! - Lazy: the first call connects (TCP, TLS for `rediss://`, then AUTH
@@ -417,13 +417,26 @@ struct Connection {
     /// answered since), and is then armed again.
     timer: Pin<Box<Sleep>>,
     timer_armed: bool,
-    /// Replies the last read handed out: more than one means several
-    /// callers were just woken, and their next commands are on the way.
+    /// Replies the last read handed out: more than one means calls
+    /// overlap, several callers were just woken, and their next commands
+    /// are likely on the way.
     delivered: usize,
     /// The driver let the tasks ready to run go first (see
     /// [`Connection::take_output`]); it writes at its next turn.
     yielded: bool,
+    /// How many bytes were queued when it yielded: more at its next turn
+    /// means the yield gathered commands.
+    queued_at_yield: usize,
+    /// Whether the last yield gathered any.
+    gathered: bool,
+    /// Times other calls in flight hinted at a yield since the driver last
+    /// took the hint.
+    hints: u8,
 }
+
+/// While yielding gathers nothing, one hint in this many is still taken,
+/// to notice when it would again.
+const PROBE_EVERY: u8 = 8;
 
 /// What [`Connection::take_output`] did.
 enum Take {
@@ -451,6 +464,10 @@ impl Connection {
             timer_armed: false,
             delivered: 0,
             yielded: false,
+            queued_at_yield: 0,
+            // Until a yield shows otherwise.
+            gathered: true,
+            hints: 0,
         }
     }
 
@@ -468,7 +485,9 @@ impl Connection {
                     // To the back of the runtime's queue, behind the tasks
                     // ready now: woken by their task, the driver would run
                     // next (tokio's LIFO slot) and write one command a
-                    // syscall. Replies are still read below.
+                    // syscall. Replies are still read below. (Deferring
+                    // instead, `tokio::task::yield_now`, costs the same
+                    // wake-up of an idle worker, plus a poll of epoll.)
                     cx.waker().wake_by_ref();
                     break;
                 }
@@ -491,15 +510,14 @@ impl Connection {
     /// Takes the queued commands once the last ones are written, and
     /// leaves the driver's waker for callers.
     ///
-    /// Under concurrency it first yields, once: a caller that finds the
-    /// driver idle wakes it, and a task woken by the task running goes to
-    /// tokio's LIFO slot and runs next, so the driver would write that one
-    /// command before the other tasks ready to run (the callers the last
-    /// read woke, requests whose sockets turned readable together) had
-    /// queued theirs: a syscall, and a wake-up of Redis, per check. One
-    /// turn later they go out together. With no other call in flight and
-    /// the last read answering one call, nothing else is coming: it writes
-    /// at once, and a lone check waits for no one.
+    /// When other commands are likely on the way, it first yields, once: a
+    /// caller that finds the driver idle wakes it, and a task woken by the
+    /// task running goes to tokio's LIFO slot and runs next, so the driver
+    /// would write that one command before the other tasks ready to run
+    /// (callers a read just woke, requests whose sockets turned readable
+    /// together) had queued theirs: a syscall, and a wake-up of Redis, per
+    /// check. One turn later they go out together. When they are likely:
+    /// [`Connection::should_yield`].
     fn take_output(
         &mut self,
         shared: &Shared,
@@ -517,8 +535,11 @@ impl Connection {
             state.driver = Some(cx.waker().clone());
         }
         if self.written == self.write.len() && !state.out.is_empty() {
-            if !self.yielded && (state.waiting.len() > 1 || self.delivered > 1) {
+            if self.yielded {
+                self.gathered = state.out.len() > self.queued_at_yield;
+            } else if self.should_yield(state.waiting.len()) {
                 self.yielded = true;
+                self.queued_at_yield = state.out.len();
                 return Ok(Take::Later);
             }
             self.yielded = false;
@@ -528,6 +549,38 @@ impl Connection {
             return Ok(Take::Took);
         }
         Ok(Take::Nothing)
+    }
+
+    /// Whether to yield before writing, `waiting` calls being in flight
+    /// (this one included).
+    ///
+    /// A yield is not free: a task that wakes itself counts for tokio as
+    /// yielding, and an idle worker is woken to share the queue (a futex
+    /// wake, and a worker that finds nothing and parks again). So:
+    /// - the last read answered several calls: calls overlap, and callers
+    ///   were just woken. Yield.
+    /// - no other call in flight: nothing else is coming. A lone check is
+    ///   written at once.
+    /// - other calls in flight: only a hint. At a light load through a
+    ///   slow round trip several wait at once yet arrive apart, and
+    ///   yielding for each cost the service 1.5 futex calls and 10-25 us
+    ///   of CPU per request (docs/redis.md). The hint is taken while
+    ///   yielding gathers commands, and otherwise one time in
+    ///   [`PROBE_EVERY`]. It matters when a read's answers came in parts:
+    ///   the next commands then start a batch without the first sign.
+    fn should_yield(&mut self, waiting: usize) -> bool {
+        if self.delivered > 1 {
+            return true;
+        }
+        if waiting <= 1 {
+            return false;
+        }
+        self.hints += 1;
+        if self.gathered || self.hints >= PROBE_EVERY {
+            self.hints = 0;
+            return true;
+        }
+        false
     }
 
     fn poll_write(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
