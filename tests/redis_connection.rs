@@ -176,7 +176,7 @@ where
 /// woken by itself, the driver counts for tokio as a task yielding, and an
 /// idle worker is woken to share the queue, a futex wake and a worker that
 /// finds nothing and parks again, per call. So the driver takes the hint
-/// only while yielding gathers commands, and then one time in eight
+/// only while yielding gathers commands, and then one time in 64
 /// (`Connection::should_yield`, `src/store/redis/pipe.rs`): 0-4 parks
 /// above the control here. Taking it every time cost 17-18.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

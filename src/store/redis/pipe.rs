@@ -435,8 +435,11 @@ struct Connection {
 }
 
 /// While yielding gathers nothing, one hint in this many is still taken,
-/// to notice when it would again.
-const PROBE_EVERY: u8 = 8;
+/// to notice when it would again. Each costs about what a wasted yield
+/// does; at a light load one in 8 was still most of what the hint cost
+/// (docs/redis.md). Under load, a yield after a read that answered
+/// several calls tells as well.
+const PROBE_EVERY: u8 = 64;
 
 /// What [`Connection::take_output`] did.
 enum Take {
