@@ -421,12 +421,11 @@ struct Connection {
     /// overlap, several callers were just woken, and their next commands
     /// are likely on the way.
     delivered: usize,
-    /// The driver let the tasks ready to run go first (see
-    /// [`Connection::take_output`]); it writes at its next turn.
-    yielded: bool,
-    /// How many bytes were queued when it yielded: more at its next turn
-    /// means the yield gathered commands.
-    queued_at_yield: usize,
+    /// Set while the driver lets the tasks ready to run go first (see
+    /// [`Connection::take_output`]; it writes at its next turn): how many
+    /// bytes were queued when it yielded. More at that turn means the
+    /// yield gathered commands.
+    yielded_at: Option<usize>,
     /// Whether the last yield gathered any.
     gathered: bool,
     /// Times other calls in flight hinted at a yield since the driver last
@@ -466,8 +465,7 @@ impl Connection {
             timer: Box::pin(tokio::time::sleep(Duration::ZERO)),
             timer_armed: false,
             delivered: 0,
-            yielded: false,
-            queued_at_yield: 0,
+            yielded_at: None,
             // Until a yield shows otherwise.
             gathered: true,
             hints: 0,
@@ -538,14 +536,12 @@ impl Connection {
             state.driver = Some(cx.waker().clone());
         }
         if self.written == self.write.len() && !state.out.is_empty() {
-            if self.yielded {
-                self.gathered = state.out.len() > self.queued_at_yield;
+            if let Some(queued) = self.yielded_at.take() {
+                self.gathered = state.out.len() > queued;
             } else if self.should_yield(state.waiting.len()) {
-                self.yielded = true;
-                self.queued_at_yield = state.out.len();
+                self.yielded_at = Some(state.out.len());
                 return Ok(Take::Later);
             }
-            self.yielded = false;
             self.write.clear();
             self.written = 0;
             std::mem::swap(&mut self.write, &mut state.out);
