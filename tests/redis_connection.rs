@@ -177,7 +177,7 @@ where
 /// idle worker is woken to share the queue, a futex wake and a worker that
 /// finds nothing and parks again, per call. So the driver takes the hint
 /// only while yielding gathers commands, and then one time in 64
-/// (`Connection::should_yield`, `src/store/redis/pipe.rs`): 0-4 parks
+/// (`src/store/redis/pipe/gather.rs`): 0-4 parks
 /// above the control here. Taking it every time cost 17-18.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_queued_alone_wakes_no_idle_worker() {

@@ -10,13 +10,13 @@
 //! straight into the bytes the driver will send, queues a oneshot and wakes
 //! the driver only if it was idle; the driver writes whatever has queued in
 //! as few writes as the socket takes (when more are likely on the way it
-//! first lets the tasks ready to run queue theirs: see
-//! `Connection::should_yield`), cuts the replies it reads into frames
-//! without parsing them (each frame a slice of one read buffer), and hands
-//! each to the next caller in line. The caller decodes its own frame: the
-//! check reads its bulk string in place, anything else becomes a redis
-//! crate `Value`, so the rest of the store (the naive store, readiness,
-//! script loads) keeps the redis crate's types.
+//! first lets the tasks ready to run queue theirs: see [`gather`]), cuts
+//! the replies it reads into frames without parsing them (each frame a
+//! slice of one read buffer), and hands each to the next caller in line.
+//! The caller decodes its own frame: the check reads its bulk string in
+//! place, anything else becomes a redis crate `Value`, so the rest of the
+//! store (the naive store, readiness, script loads) keeps the redis
+//! crate's types.
 //!
 //! What the redis crate's `ConnectionManager` did, kept:
 //! - Lazy: the first call connects (TCP, TLS for `rediss://`, then AUTH
@@ -37,6 +37,7 @@
 use super::resp::{Command, decode, frame_len};
 use super::tls::RedisTls;
 use bytes::{Bytes, BytesMut};
+use gather::Gather;
 use redis::{
     Cmd, ConnectionAddr, ConnectionInfo, ErrorKind, Pipeline, RedisError, RedisFuture, RedisResult,
     Value,
@@ -52,6 +53,8 @@ use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 use tokio::time::{Instant, Sleep};
+
+mod gather;
 
 /// What a connection is opened to, and how long things may take.
 #[derive(Debug, Clone)]
@@ -417,28 +420,9 @@ struct Connection {
     /// answered since), and is then armed again.
     timer: Pin<Box<Sleep>>,
     timer_armed: bool,
-    /// Replies the last read handed out: more than one means calls
-    /// overlap, several callers were just woken, and their next commands
-    /// are likely on the way.
-    delivered: usize,
-    /// Set while the driver lets the tasks ready to run go first (see
-    /// [`Connection::take_output`]; it writes at its next turn): how many
-    /// bytes were queued when it yielded. More at that turn means the
-    /// yield gathered commands.
-    yielded_at: Option<usize>,
-    /// Whether the last yield gathered any.
-    gathered: bool,
-    /// Times other calls in flight hinted at a yield since the driver last
-    /// took the hint.
-    hints: u8,
+    /// Whether to write queued commands at once or yield first.
+    gather: Gather,
 }
-
-/// While yielding gathers nothing, one hint in this many is still taken,
-/// to notice when it would again. Each costs about what a wasted yield
-/// does; at a light load one in 8 was still most of what the hint cost
-/// (docs/redis.md). Under load, a yield after a read that answered
-/// several calls tells as well.
-const PROBE_EVERY: u8 = 64;
 
 /// What [`Connection::take_output`] did.
 enum Take {
@@ -464,11 +448,7 @@ impl Connection {
             connected: Instant::now(),
             timer: Box::pin(tokio::time::sleep(Duration::ZERO)),
             timer_armed: false,
-            delivered: 0,
-            yielded_at: None,
-            // Until a yield shows otherwise.
-            gathered: true,
-            hints: 0,
+            gather: Gather::default(),
         }
     }
 
@@ -511,14 +491,8 @@ impl Connection {
     /// Takes the queued commands once the last ones are written, and
     /// leaves the driver's waker for callers.
     ///
-    /// When other commands are likely on the way, it first yields, once: a
-    /// caller that finds the driver idle wakes it, and a task woken by the
-    /// task running goes to tokio's LIFO slot and runs next, so the driver
-    /// would write that one command before the other tasks ready to run
-    /// (callers a read just woke, requests whose sockets turned readable
-    /// together) had queued theirs: a syscall, and a wake-up of Redis, per
-    /// check. One turn later they go out together. When they are likely:
-    /// [`Connection::should_yield`].
+    /// When other commands are likely on the way, it first yields, once,
+    /// so that they go out together ([`gather`] says when, and why).
     fn take_output(
         &mut self,
         shared: &Shared,
@@ -536,10 +510,7 @@ impl Connection {
             state.driver = Some(cx.waker().clone());
         }
         if self.written == self.write.len() && !state.out.is_empty() {
-            if let Some(queued) = self.yielded_at.take() {
-                self.gathered = state.out.len() > queued;
-            } else if self.should_yield(state.waiting.len()) {
-                self.yielded_at = Some(state.out.len());
+            if !self.gather.take_now(state.out.len(), state.waiting.len()) {
                 return Ok(Take::Later);
             }
             self.write.clear();
@@ -548,38 +519,6 @@ impl Connection {
             return Ok(Take::Took);
         }
         Ok(Take::Nothing)
-    }
-
-    /// Whether to yield before writing, `waiting` calls being in flight
-    /// (this one included).
-    ///
-    /// A yield is not free: a task that wakes itself counts for tokio as
-    /// yielding, and an idle worker is woken to share the queue (a futex
-    /// wake, and a worker that finds nothing and parks again). So:
-    /// - the last read answered several calls: calls overlap, and callers
-    ///   were just woken. Yield.
-    /// - no other call in flight: nothing else is coming. A lone check is
-    ///   written at once.
-    /// - other calls in flight: only a hint. At a light load through a
-    ///   slow round trip several wait at once yet arrive apart, and
-    ///   yielding for each cost the service 1.5 futex calls and 10-25 us
-    ///   of CPU per request (docs/redis.md). The hint is taken while
-    ///   yielding gathers commands, and otherwise one time in
-    ///   [`PROBE_EVERY`]. It matters when a read's answers came in parts:
-    ///   the next commands then start a batch without the first sign.
-    fn should_yield(&mut self, waiting: usize) -> bool {
-        if self.delivered > 1 {
-            return true;
-        }
-        if waiting <= 1 {
-            return false;
-        }
-        self.hints += 1;
-        if self.gathered || self.hints >= PROBE_EVERY {
-            self.hints = 0;
-            return true;
-        }
-        false
     }
 
     fn poll_write(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -624,7 +563,7 @@ impl Connection {
                 }
             }
             if !self.frames.is_empty() {
-                self.delivered = self.frames.len();
+                self.gather.read(self.frames.len());
                 if let Err(e) = deliver(&mut shared.lock(), self.frames.drain(..)) {
                     return Poll::Ready(e);
                 }
