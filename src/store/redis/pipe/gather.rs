@@ -11,37 +11,51 @@
 //! Why it would not: a yield is not free. A task that wakes itself counts
 //! for tokio as yielding, and an idle worker is woken to share the queue
 //! (a futex wake, and a worker that finds nothing and parks again). At a
-//! light load through a slow round trip several calls wait at once yet
-//! arrive apart; yielding for each cost the service 1.5 futex calls and
-//! 10-25 us of CPU per request (docs/redis.md).
+//! light load through a slow round trip several calls are in flight at
+//! once yet arrive apart, and a read sometimes answers two of them; each
+//! is a sign that more commands are coming, and almost never true there
+//! (0.3-3 % of such yields gathered a command, against 83-89 % at a
+//! saturating load: docs/redis.md).
 //!
-//! So the choice is kept here, pure (no socket, no runtime), and told what
-//! happened: [`Gather::read`] after each read that handed out replies, and
-//! [`Gather::take_now`] when commands wait to be written.
+//! So the signs are trusted only while the yields they cause gather
+//! commands: the driver is told what happened ([`Gather::read`] after each
+//! read that handed out replies) and asked, when commands wait to be
+//! written, [`Gather::take_now`]. Kept pure (no socket, no runtime), so
+//! the tests below drive it turn by turn.
 
-/// While yielding gathers nothing, one hint in this many is still taken,
-/// to notice when it would again. Each costs about what a wasted yield
-/// does; at a light load one in 8 was still most of what the hint cost
-/// (docs/redis.md). Under load, a yield after a read that answered
-/// several calls tells as well.
-pub(super) const PROBE_EVERY: u8 = 64;
+/// A yield that gathered commands buys this many more yields on a sign;
+/// each that gathers nothing spends one. Several, because a miss is not
+/// always a loss: with two workers the other one often queues commands
+/// before the driver yields, and only about 30 % of the yields of the
+/// bench's `16_tasks` and `64_tasks` gathered more. With a credit of 3,
+/// runs of misses spent it often enough that those shapes cost 18-42 %
+/// more client CPU a check than yielding on every sign; with 8, about the
+/// same (docs/redis.md). And under any load a round's replies may be read
+/// in two parts, the second answering one call; were that to stop the
+/// batching, the next round's commands would go out one by one, their
+/// replies too, and the split would carry on.
+const CREDIT: u8 = 8;
+
+/// With the credit spent, one sign in this many is still taken, to notice
+/// when yielding would gather again. Each costs about what a wasted yield
+/// does; at a light load one in 8 was still most of what the signs cost
+/// (docs/redis.md).
+const PROBE_EVERY: u8 = 64;
 
 /// The driver's memory of what its yields did.
 #[derive(Debug)]
 pub(super) struct Gather {
     /// Replies the last read handed out: more than one means calls
-    /// overlap, several callers were just woken, and their next commands
-    /// are likely on the way.
+    /// overlap, and several callers were just woken.
     delivered: usize,
     /// Set while the driver lets the tasks ready to run go first: how many
     /// bytes were queued when it yielded. More at its next turn means the
     /// yield gathered commands.
     yielded_at: Option<usize>,
-    /// Whether the last yield gathered any.
-    gathered: bool,
-    /// Times other calls in flight hinted at a yield since the driver last
-    /// took the hint.
-    hints: u8,
+    /// Yields left to take on a sign before only probing.
+    credit: u8,
+    /// Signs since the driver last took one.
+    signs: u8,
 }
 
 impl Default for Gather {
@@ -49,9 +63,9 @@ impl Default for Gather {
         Self {
             delivered: 0,
             yielded_at: None,
-            // Until a yield shows otherwise.
-            gathered: true,
-            hints: 0,
+            // The first sign is taken, and what it gathers decides.
+            credit: 1,
+            signs: 0,
         }
     }
 }
@@ -67,40 +81,30 @@ impl Gather {
     /// take them now, `false` to yield once first. After a yield the next
     /// call always says take.
     ///
-    /// When to yield:
-    /// - the last read answered several calls: calls overlap, and callers
-    ///   were just woken. Yield.
-    /// - no other call in flight: nothing else is coming. A lone check is
-    ///   written at once.
-    /// - other calls in flight: only a hint. It is taken while yielding
-    ///   gathers commands, and otherwise one time in [`PROBE_EVERY`]. It
-    ///   matters when a read's answers came in parts: the next commands
-    ///   then start a batch without the first sign.
+    /// A sign that more commands are coming: the last read answered
+    /// several calls (their callers were just woken), or other calls are in
+    /// flight. Without one (a lone check) the commands are taken at once.
+    /// With one the driver yields while it has credit, and otherwise one
+    /// time in [`PROBE_EVERY`].
     pub(super) fn take_now(&mut self, queued: usize, waiting: usize) -> bool {
         if let Some(at_yield) = self.yielded_at.take() {
-            self.gathered = queued > at_yield;
+            self.credit = if queued > at_yield {
+                CREDIT
+            } else {
+                self.credit.saturating_sub(1)
+            };
             return true;
         }
-        if self.should_yield(waiting) {
+        if self.delivered <= 1 && waiting <= 1 {
+            return true;
+        }
+        self.signs += 1;
+        if self.credit > 0 || self.signs >= PROBE_EVERY {
+            self.signs = 0;
             self.yielded_at = Some(queued);
             return false;
         }
         true
-    }
-
-    fn should_yield(&mut self, waiting: usize) -> bool {
-        if self.delivered > 1 {
-            return true;
-        }
-        if waiting <= 1 {
-            return false;
-        }
-        self.hints += 1;
-        if self.gathered || self.hints >= PROBE_EVERY {
-            self.hints = 0;
-            return true;
-        }
-        false
     }
 }
 
@@ -111,12 +115,28 @@ mod tests {
     /// One command's bytes, as the tests queue them.
     const CMD: usize = 40;
 
+    /// Yields the driver makes over `turns` turns that each find one
+    /// command queued and `waiting` calls in flight, no yield gathering.
+    fn yields_gathering_nothing(gather: &mut Gather, turns: usize, waiting: usize) -> usize {
+        let mut yields = 0;
+        for _ in 0..turns {
+            if !gather.take_now(CMD, waiting) {
+                yields += 1;
+                assert!(
+                    gather.take_now(CMD, waiting),
+                    "a yield is followed by a take"
+                );
+            }
+        }
+        yields
+    }
+
     #[test]
     fn a_lone_call_is_written_at_once() {
         let mut gather = Gather::default();
         for _ in 0..1000 {
-            assert!(gather.take_now(CMD, 1));
             gather.read(1);
+            assert!(gather.take_now(CMD, 1));
         }
     }
 
@@ -124,7 +144,7 @@ mod tests {
     fn a_read_that_answered_several_yields_once_then_takes() {
         let mut gather = Gather::default();
         gather.read(16);
-        assert!(!gather.take_now(CMD, 16), "callers were just woken: yield");
+        assert!(!gather.take_now(CMD, 1), "callers were just woken: yield");
         assert!(
             gather.take_now(16 * CMD, 16),
             "the next turn takes what the yield gathered"
@@ -132,7 +152,7 @@ mod tests {
     }
 
     #[test]
-    fn the_hint_is_taken_while_yields_gather() {
+    fn signs_are_taken_while_yields_gather() {
         let mut gather = Gather::default();
         gather.read(1);
         for _ in 0..100 {
@@ -142,47 +162,42 @@ mod tests {
     }
 
     #[test]
-    fn while_yields_gather_nothing_the_hint_is_probed_one_time_in_probe_every() {
+    fn while_yields_gather_nothing_a_sign_is_probed_one_time_in_probe_every() {
         let mut gather = Gather::default();
-        gather.read(1);
-        // The first hint is taken (nothing says yet that it does not pay)
-        // and gathers nothing.
-        assert!(!gather.take_now(CMD, 2));
-        assert!(gather.take_now(CMD, 2));
-        let mut yields = 0;
+        assert_eq!(yields_gathering_nothing(&mut gather, 1, 2), 1, "the first");
         let turns = 10 * usize::from(PROBE_EVERY);
-        for _ in 0..turns {
-            if !gather.take_now(CMD, 2) {
-                yields += 1;
-                assert!(gather.take_now(CMD, 2), "a yield is followed by a take");
-            }
-        }
-        assert_eq!(yields, 10);
+        assert_eq!(yields_gathering_nothing(&mut gather, turns, 2), 10);
+        // A read that answered several is a sign like any other.
+        gather.read(2);
+        assert_eq!(yields_gathering_nothing(&mut gather, turns, 1), 10);
     }
 
     #[test]
-    fn a_probe_that_gathers_makes_the_hint_trusted_again() {
+    fn misses_short_of_the_credit_keep_the_batching() {
         let mut gather = Gather::default();
-        gather.read(1);
-        assert!(!gather.take_now(CMD, 2));
-        assert!(gather.take_now(CMD, 2), "gathered nothing");
+        for _ in 0..100 {
+            gather.read(8);
+            assert!(!gather.take_now(CMD, 8));
+            assert!(gather.take_now(8 * CMD, 8), "a round gathered");
+            for _ in 1..CREDIT {
+                gather.read(1);
+                assert!(!gather.take_now(CMD, 8), "a split read: still a sign");
+                assert!(gather.take_now(CMD, 8), "this yield gathered nothing");
+            }
+        }
+    }
+
+    #[test]
+    fn a_probe_that_gathers_restores_the_credit() {
+        let mut gather = Gather::default();
+        let credit = usize::from(CREDIT);
+        assert_eq!(yields_gathering_nothing(&mut gather, 1, 2), 1);
         let mut turns = 0;
         while gather.take_now(CMD, 2) {
             turns += 1;
             assert!(turns < usize::from(PROBE_EVERY), "the probe never came");
         }
         assert!(gather.take_now(2 * CMD, 2), "the probe gathered");
-        assert!(!gather.take_now(CMD, 2), "so the next hint is taken");
-    }
-
-    #[test]
-    fn a_read_that_answered_several_yields_even_when_the_hint_is_distrusted() {
-        let mut gather = Gather::default();
-        gather.read(1);
-        assert!(!gather.take_now(CMD, 2));
-        assert!(gather.take_now(CMD, 2), "gathered nothing");
-        assert!(gather.take_now(CMD, 2), "the hint is distrusted");
-        gather.read(3);
-        assert!(!gather.take_now(CMD, 3));
+        assert_eq!(yields_gathering_nothing(&mut gather, credit, 2), credit);
     }
 }
