@@ -28,6 +28,16 @@ fn invalid(field: impl Into<String>, message: impl std::fmt::Display) -> ConfigE
     }
 }
 
+/// A name field (an instance id, an API key's id, a policy's name): it
+/// ends up in headers, metric labels and log lines ([`valid_name`]).
+fn check_name(field: impl Into<String>, name: &str) -> Result<(), ConfigError> {
+    if valid_name(name) {
+        Ok(())
+    } else {
+        Err(invalid(field, "must be 1-64 characters of [A-Za-z0-9_.-]"))
+    }
+}
+
 /// A duration field.
 fn duration(field: &str, text: &str) -> Result<Duration, ConfigError> {
     parse_period(text).map_err(|m| invalid(field, m))
@@ -41,12 +51,7 @@ pub(super) fn validate(s: Settings) -> Result<Config, ConfigError> {
         .map_err(|_| invalid("listen", format!("{:?} is not an address:port", s.listen)))?;
 
     let instance_id = s.instance_id.unwrap_or_else(default_instance_id);
-    if !valid_name(&instance_id) {
-        return Err(invalid(
-            "instance_id",
-            "must be 1-64 characters of [A-Za-z0-9_.-]",
-        ));
-    }
+    check_name("instance_id", &instance_id)?;
 
     let trusted_proxies = s
         .trusted_proxies

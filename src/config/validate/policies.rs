@@ -1,10 +1,10 @@
 //! The policies: API keys, limits and what each algorithm and backend
 //! allows of them, and key sharding.
 
-use super::{duration, invalid};
+use super::{check_name, duration, invalid};
 use crate::algorithm::{Algorithm, Limit, LimitError};
 use crate::config::file::{ApiKeyFile, LimitFile, PolicyFile};
-use crate::config::parse::{parse_hex32, valid_name};
+use crate::config::parse::parse_hex32;
 use crate::config::{ApiKeyConfig, ConfigError};
 use crate::identity::{ApiKeys, valid_key};
 use crate::mitigation::{MAX_SHARDS, shard_limit};
@@ -94,12 +94,7 @@ pub(super) fn api_keys(list: Vec<ApiKeyFile>) -> Result<Vec<ApiKeyConfig>, Confi
     let mut out: Vec<ApiKeyConfig> = Vec::with_capacity(list.len());
     for (i, k) in list.into_iter().enumerate() {
         let field = format!("api_keys[{i}]");
-        if !valid_name(&k.id) {
-            return Err(invalid(
-                format!("{field}.id"),
-                "must be 1-64 characters of [A-Za-z0-9_.-]",
-            ));
-        }
+        check_name(format!("{field}.id"), &k.id)?;
         let sha256 = match (k.key, k.key_sha256) {
             (Some(key), None) => {
                 valid_key(key.as_bytes()).map_err(|e| invalid(format!("{field}.key"), e))?;
@@ -185,12 +180,7 @@ pub(super) fn policies(
     let mut out: Vec<Policy> = Vec::with_capacity(list.len());
     for (i, p) in list.into_iter().enumerate() {
         let field = format!("policies[{i}]");
-        if !valid_name(&p.name) {
-            return Err(invalid(
-                format!("{field}.name"),
-                "must be 1-64 characters of [A-Za-z0-9_.-]",
-            ));
-        }
+        check_name(format!("{field}.name"), &p.name)?;
         if out.iter().any(|o| o.name == p.name) {
             return Err(invalid(
                 format!("{field}.name"),
