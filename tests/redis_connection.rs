@@ -176,7 +176,7 @@ where
 /// woken by itself, the driver counts for tokio as a task yielding, and an
 /// idle worker is woken to share the queue, a futex wake and a worker that
 /// finds nothing and parks again, per call. So the driver trusts the sign
-/// only while yielding gathers commands, and then one time in 64
+/// only while yielding gathers commands, and otherwise one time in 64
 /// (`src/store/redis/pipe/gather.rs`): at most 3 parks above the control
 /// here, idle or beside three CPU hogs. Taking it every time cost 17-18.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
