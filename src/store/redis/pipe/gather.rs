@@ -31,10 +31,10 @@
 /// With a credit of 3, runs of misses spent it often enough that those
 /// shapes cost 18-42 % more client CPU a check than with the rules before
 /// (which always yielded after a read that answered several); with 8,
-/// about the same (docs/redis.md). And under any load a round's replies may be read
-/// in two parts, the second answering one call; were that to stop the
-/// batching, the next round's commands would go out one by one, their
-/// replies too, and the split would carry on.
+/// about the same (docs/redis.md). And under any load a round's replies
+/// may be read in two parts, the second answering one call; were that to
+/// stop the batching, the next round's commands would go out one by one,
+/// their replies too, and the split would carry on.
 const CREDIT: u8 = 8;
 
 /// With the credit spent, one sign in this many is still taken, to notice
