@@ -485,9 +485,11 @@ impl Limiter {
         let started = quanta::Instant::now();
         let result = {
             let in_flight = self.metrics.in_flight();
-            let checking = self.store.check(check);
+            // Awaited through a reference: moved into the span's wrapper
+            // instead, the answer would take room in this future twice.
+            let mut checking = self.store.check(check);
             let _in_flight = (!checking.is_ready()).then(|| InFlight::enter(in_flight));
-            checking.instrument(span.clone()).await
+            (&mut checking).instrument(span.clone()).await
         };
         let elapsed = started.elapsed().as_secs_f64();
         let source = source_index(&result);

@@ -27,17 +27,28 @@
 //! only if the work does not finish on its first poll, so an in-process
 //! check on a route that reads no body never touches the timer wheel.
 //!
-//! The steps on the server's path that take the request by value
-//! ([`Front::answer`] and the two below it) are functions returning an
-//! `async move` block rather than `async fn`s: an `async fn`'s future holds
-//! each argument twice (as captured, and as the local the body moves it
-//! into), and a request is 240 bytes. So the answer's future is 1 952
-//! bytes where it was 2 848 (`-Zprint-type-sizes`), and hyper moves the
-//! future around it into place on every request. callgrind on a quiet
-//! machine: about 90 instructions fewer a request on a memory-limited
-//! route (24 386 -> about 24 290) and about 70 on an unlimited one (17 267
-//! -> about 17 198): the request is copied once a step, not twice, and
-//! less memory is written each time the future moves.
+//! The steps on the server's path borrow the request (`&mut`) rather than
+//! take it: it stays where the connection's service put it, in the future
+//! hyper keeps, and is taken out (`mem::take`, which leaves an empty
+//! request behind) only when the handler is called. A future keeps
+//! everything its `async` block captured for its whole life, and a
+//! request is 240 bytes, so taken by value it was held once by each step
+//! (the connection's service, [`Front::answer`], `route`, the limited
+//! route's work). Those steps are also functions returning an `async
+//! move` block rather than `async fn`s, whose futures hold each argument
+//! twice (as captured, and as the local the body moves it into). The
+//! future hyper moves into place on every request is 1 344 bytes, where
+//! it was 2 336 with the request taken by value (`-Zprint-type-sizes`,
+//! rustc 1.95; with two more cuts below it, in `within` and
+//! `Limiter::decide`); with `async fn`s, the answer's own future was
+//! 2 848 bytes where the `async move` blocks made it 1 952 (an older
+//! rustc). Moving a future copies all of it, and a larger one spreads
+//! each request over more cache lines: callgrind's cache simulation
+//! counts 256 to 260 first-level data misses a request on the
+//! memory-limited route where it counted 289, and 110 on the unlimited
+//! one where it counted 131 (`scripts/http-instructions` run with
+//! `--cache-sim=yes`), for 120 to 230 instructions fewer on the one and
+//! 0 to 60 on the other (two counts of each).
 //!
 //! The server passes the peer address to [`Front::answer`] as an argument
 //! rather than as a `ConnectInfo` extension: the first extension a request
@@ -121,7 +132,8 @@ impl Front {
             .extensions()
             .get::<ConnectInfo<SocketAddr>>()
             .map(|c| c.0.ip());
-        self.answer(request, peer).await.0
+        let mut request = request;
+        self.answer(&mut request, peer).await.0
     }
 
     /// Answers `request` from `peer` (the connection's address, which
@@ -129,6 +141,10 @@ impl Front {
     /// was ready: the clock reading its duration was measured to, which
     /// the connection's header timeout starts from as well (one clock read
     /// for both).
+    ///
+    /// The request is borrowed, so the future holds a pointer rather than
+    /// a copy (see the module docs); it is taken when a handler is called,
+    /// and what is left in `request` afterwards is unspecified.
     ///
     /// The peer is an argument, not an extension of the request: the
     /// first extension allocates the request's type map (a box, its table,
@@ -139,9 +155,9 @@ impl Front {
     )]
     pub fn answer(
         self,
-        request: Request<Body>,
+        request: &mut Request<Body>,
         peer: Option<IpAddr>,
-    ) -> impl Future<Output = (Response, Instant)> {
+    ) -> impl Future<Output = (Response, Instant)> + '_ {
         async move {
             let started = Instant::now();
             let method = MethodLabel::of(request.method());
@@ -179,19 +195,19 @@ impl Front {
         clippy::manual_async_fn,
         reason = "an async fn holds the request twice; see the module docs"
     )]
-    fn route(
-        router: &mut Router,
-        shared: &Shared,
-        route: Option<&Route>,
-        request: Request<Body>,
+    fn route<'a>(
+        router: &'a mut Router,
+        shared: &'a Shared,
+        route: Option<&'a Route>,
+        request: &'a mut Request<Body>,
         peer: Option<IpAddr>,
-    ) -> impl Future<Output = Response> {
+    ) -> impl Future<Output = Response> + 'a {
         async move {
             let Some(route) = route else {
-                let Ok(response) = router.call(request).await;
+                let Ok(response) = router.call(std::mem::take(request)).await;
                 return response;
             };
-            if let Some(answer) = refuse_declared_too_large(shared.body_limit, &request) {
+            if let Some(answer) = refuse_declared_too_large(shared.body_limit, request) {
                 return answer;
             }
             let timeout = shared.request_timeout;
@@ -209,7 +225,7 @@ impl Front {
                 ));
                 within(timeout, work).await
             } else {
-                let work = std::pin::pin!(route.dispatch(router, request));
+                let work = std::pin::pin!(route.dispatch(router, std::mem::take(request)));
                 within(timeout, work).await.map(|Ok(response)| response)
             };
             match answered {
@@ -224,19 +240,19 @@ impl Front {
         clippy::manual_async_fn,
         reason = "an async fn holds the request twice; see the module docs"
     )]
-    fn limit_then_call(
-        router: &mut Router,
-        route: &Route,
+    fn limit_then_call<'a>(
+        router: &'a mut Router,
+        route: &'a Route,
         limiting: Limiting,
-        request: Request<Body>,
+        request: &'a mut Request<Body>,
         peer: Option<IpAddr>,
-    ) -> impl Future<Output = Response> {
+    ) -> impl Future<Output = Response> + 'a {
         async move {
             let outcome = limiting.check(request.headers(), peer).await;
             match Verdict::from(outcome) {
                 Verdict::Answer(response) => response,
                 Verdict::Pass(fields) => {
-                    let Ok(mut response) = route.dispatch(router, request).await;
+                    let Ok(mut response) = route.dispatch(router, std::mem::take(request)).await;
                     fields.write_to(response.headers_mut());
                     response
                 }
@@ -267,8 +283,11 @@ impl tower::Service<Request<Body>> for Front {
 /// poll (most requests) never touches the timer wheel, and the deadline
 /// starts at most that first poll's CPU time late.
 async fn within<F: Future + ?Sized>(limit: Duration, mut future: Pin<&mut F>) -> Option<F::Output> {
-    let first = std::future::poll_fn(|cx| Poll::Ready(future.as_mut().poll(cx))).await;
-    if let Poll::Ready(output) = first {
+    // Matched where it is made: a named first poll's answer would keep its
+    // room in this future while the timer waits.
+    if let Poll::Ready(output) =
+        std::future::poll_fn(|cx| Poll::Ready(future.as_mut().poll(cx))).await
+    {
         return Some(output);
     }
     tokio::time::timeout(limit, future).await.ok()

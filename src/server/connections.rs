@@ -252,10 +252,10 @@ pub async fn serve_connections(
             // Unboxed: hyper keeps the future as its own type.
             let front = front.clone();
             let clock = Arc::clone(&clock);
+            let mut request = request.map(Body::new);
             async move {
                 // The identity of an anonymous client is its peer address.
-                let (response, answered) =
-                    front.answer(request.map(Body::new), Some(peer.ip())).await;
+                let (response, answered) = front.answer(&mut request, Some(peer.ip())).await;
                 clock.waiting_from(answered);
                 Ok::<_, Infallible>(response)
             }
