@@ -26,6 +26,14 @@ async fn echo(connection: &RedisConnection, text: &str) -> redis::RedisResult<St
     }
 }
 
+/// A connection to `redis` whose first call has been answered: connected,
+/// not just set up (the first call connects).
+async fn connected(settings: &RedisSettings) -> RedisConnection {
+    let connection = RedisConnection::connect(settings).await.unwrap();
+    assert_eq!(echo(&connection, "connected").await.unwrap(), "connected");
+    connection
+}
+
 /// Clients connected to `redis` other than the redis-cli asking.
 fn clients(redis: &RedisServer) -> usize {
     let list = redis.cli(&["CLIENT", "LIST"]).unwrap();
@@ -102,10 +110,7 @@ async fn calls_that_queue_together_go_out_in_one_write() {
     const TASKS: usize = 16;
     const ROUNDS: usize = 50;
     let redis = RedisServer::start().unwrap();
-    let connection = RedisConnection::connect(&settings(redis.url()))
-        .await
-        .unwrap();
-    assert_eq!(echo(&connection, "connected").await.unwrap(), "connected");
+    let connection = connected(&settings(redis.url())).await;
     let before = reads_processed(&redis);
     // Each round starts together: the last task at the barrier wakes the
     // others, so all sixteen are ready to run when the first call queues.
@@ -187,8 +192,7 @@ async fn a_call_queued_alone_wakes_no_idle_worker() {
         response_timeout: Duration::from_secs(10),
         ..settings(redis.url())
     };
-    let connection = RedisConnection::connect(&settings).await.unwrap();
-    assert_eq!(echo(&connection, "connected").await.unwrap(), "connected");
+    let connection = connected(&settings).await;
     // The same spawning with no Redis call: what the sleeps cost.
     let (control, _) = parks_while_spawning(CALLS, |_| async {}).await;
     // Stopped, Redis answers nothing: every call stays in flight, and each
@@ -222,10 +226,7 @@ async fn a_call_queued_alone_wakes_no_idle_worker() {
 async fn calls_after_a_read_that_answered_two_wake_no_idle_worker() {
     const PAIRS: u64 = 40;
     let redis = RedisServer::start().unwrap();
-    let connection = RedisConnection::connect(&settings(redis.url()))
-        .await
-        .unwrap();
-    assert_eq!(echo(&connection, "connected").await.unwrap(), "connected");
+    let connection = connected(&settings(redis.url())).await;
     // The same spawning with one call a task: no sign at all, so never a
     // yield; what the sleeps and the round trips cost.
     let lone = connection.clone();
@@ -264,10 +265,7 @@ async fn calls_after_a_read_that_answered_two_wake_no_idle_worker() {
 #[tokio::test]
 async fn a_call_past_the_response_timeout_fails_and_its_late_reply_goes_nowhere() {
     let redis = RedisServer::start().unwrap();
-    let connection = RedisConnection::connect(&settings(redis.url()))
-        .await
-        .unwrap();
-    assert_eq!(echo(&connection, "before").await.unwrap(), "before");
+    let connection = connected(&settings(redis.url())).await;
     redis.pause().unwrap();
     let started = Instant::now();
     let error = echo(&connection, "late").await.unwrap_err();
@@ -287,10 +285,7 @@ async fn a_call_past_the_response_timeout_fails_and_its_late_reply_goes_nowhere(
 #[tokio::test]
 async fn a_lost_connection_fails_its_calls_and_the_next_call_reconnects() {
     let mut redis = RedisServer::start().unwrap();
-    let connection = RedisConnection::connect(&settings(redis.url()))
-        .await
-        .unwrap();
-    assert_eq!(echo(&connection, "one").await.unwrap(), "one");
+    let connection = connected(&settings(redis.url())).await;
     redis.kill().unwrap();
     let error = echo(&connection, "gone").await.unwrap_err();
     assert!(
@@ -357,10 +352,7 @@ async fn the_url_password_and_database_are_used() {
 #[tokio::test]
 async fn a_call_queued_behind_a_stuck_write_still_times_out() {
     let redis = RedisServer::start().unwrap();
-    let connection = RedisConnection::connect(&settings(redis.url()))
-        .await
-        .unwrap();
-    assert_eq!(echo(&connection, "before").await.unwrap(), "before");
+    let connection = connected(&settings(redis.url())).await;
     redis.pause().unwrap();
     // 64 MiB that a hung Redis never reads: the write fills the socket's
     // buffers and stays stuck, and the next call cannot even be written.
