@@ -44,11 +44,11 @@
 //! 2 848 bytes where the `async move` blocks made it 1 952 (an older
 //! rustc). Moving a future copies all of it, and a larger one spreads
 //! each request over more cache lines: callgrind's cache simulation
-//! counts 256 to 260 first-level data misses a request on the
-//! memory-limited route where it counted 289, and 110 on the unlimited
-//! one where it counted 131 (`scripts/http-instructions` run with
-//! `--cache-sim=yes`), for 120 to 230 instructions fewer on the one and
-//! 0 to 60 on the other (two counts of each).
+//! counts 251 to 260 first-level data misses a request on the
+//! memory-limited route where it counted 288 and 289, and 107 to 110 on
+//! the unlimited one where it counted 129 and 131
+//! (`scripts/http-instructions` run with `--cache-sim=yes`), for 120 to
+//! 230 instructions fewer on the one and 0 to 60 on the other.
 //!
 //! The server passes the peer address to [`Front::answer`] as an argument
 //! rather than as a `ConnectInfo` extension: the first extension a request
