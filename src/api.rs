@@ -29,7 +29,6 @@ use axum::extract::{DefaultBodyLimit, Path, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use metrics_exporter_prometheus::PrometheusHandle;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -73,7 +72,7 @@ pub struct AppFields {
     /// What `/readyz` reports.
     pub health: Health,
     /// Renders `/metrics`.
-    pub metrics: PrometheusHandle,
+    pub metrics: crate::metrics::MetricsHandle,
     /// This instance's name.
     pub instance_id: Arc<str>,
     /// The body limit and request deadline `app` applies, and the
@@ -87,7 +86,7 @@ impl AppState {
     pub fn new(
         limiter: Arc<CurrentLimiter>,
         health: Health,
-        metrics: PrometheusHandle,
+        metrics: crate::metrics::MetricsHandle,
         instance_id: &str,
     ) -> Self {
         Self(Arc::new(AppFields {

@@ -5,7 +5,10 @@
 //! bounded: policy names come from the config, routes are route templates
 //! (`middleware::Routes`), never raw URIs, keys or addresses.
 
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+pub mod buckets;
+
+use buckets::{Buckets, BucketsHandle};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use std::borrow::Borrow;
 use std::collections::HashMap;
 use std::hash::Hash;
@@ -219,26 +222,57 @@ impl<K: Hash + Eq, H: Clone> Handles<K, H> {
     }
 }
 
-/// Installs the Prometheus recorder once per process and returns its handle.
-/// Later calls (tests starting several apps) get the same handle.
-pub fn install() -> PrometheusHandle {
-    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+/// Installs the recorder once per process (the Prometheus exporter's,
+/// with `*_seconds` histograms kept in fixed buckets in front of it: see
+/// [`buckets`]) and returns its handle. Later calls (tests starting
+/// several apps) get the same handle.
+pub fn install() -> MetricsHandle {
+    static HANDLE: OnceLock<MetricsHandle> = OnceLock::new();
     HANDLE
         .get_or_init(|| {
-            let recorder = PrometheusBuilder::new()
-                .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
-                .expect("static, non-empty bucket list")
-                .build_recorder();
-            let handle = recorder.handle();
+            let recorder = PrometheusBuilder::new().build_recorder();
+            let prometheus = recorder.handle();
+            let layer = Buckets::new(recorder, SECONDS_BUCKETS);
+            let buckets = layer.handle();
             // Fails only if another recorder was installed first, in which
             // case ours renders nothing; that is a wiring bug worth a log.
-            if metrics::set_global_recorder(recorder).is_err() {
+            if metrics::set_global_recorder(layer).is_err() {
                 tracing::error!("a metrics recorder was already installed; /metrics will be empty");
             }
             describe();
-            handle
+            MetricsHandle {
+                prometheus,
+                buckets,
+            }
         })
         .clone()
+}
+
+/// Renders every metric recorded through [`install`]'s recorder.
+#[derive(Debug, Clone)]
+pub struct MetricsHandle {
+    prometheus: PrometheusHandle,
+    buckets: BucketsHandle,
+}
+
+impl MetricsHandle {
+    /// The Prometheus text format: the exporter's metrics, then the
+    /// `*_seconds` histograms.
+    pub fn render(&self) -> String {
+        let mut text = self.prometheus.render();
+        let ours = self.buckets.render();
+        if !ours.is_empty() && !text.is_empty() && !text.ends_with('\n') {
+            text.push('\n');
+        }
+        text.push_str(&ours);
+        text
+    }
+
+    /// The exporter's periodic work (draining its histograms, publishing
+    /// descriptions); the fixed buckets need none.
+    pub fn run_upkeep(&self) {
+        self.prometheus.run_upkeep();
+    }
 }
 
 fn describe() {
