@@ -50,13 +50,15 @@ impl Series {
 
 impl HistogramFn for Series {
     fn record(&self, value: f64) {
-        // The first bound at or over the value; NaN, under none, falls
-        // past them all.
-        let at = if value.is_nan() {
-            self.bounds.len()
-        } else {
-            self.bounds.partition_point(|&bound| bound < value)
-        };
+        // A value that is no number or infinite is counted past the last
+        // bound and left out of the sum, which would otherwise stay NaN or
+        // infinite for good.
+        if !value.is_finite() {
+            self.counts[self.bounds.len()].fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        // The first bound at or over the value.
+        let at = self.bounds.partition_point(|&bound| bound < value);
         self.counts[at].fetch_add(1, Ordering::Relaxed);
         // Uncontended, one compare-and-swap; a concurrent record retries.
         let _ = self
@@ -245,7 +247,7 @@ mod tests {
             metrics::describe_histogram!("x_seconds", Unit::Seconds, "How \"long\"\nit took");
             let h = metrics::histogram!("x_seconds", "route" => "/a\"b", "code" => "200");
             // On a bound counts under it, as Prometheus's `le` says.
-            for v in [0.0005, 0.001, 0.05, 0.2, f64::NAN] {
+            for v in [0.0005, 0.001, 0.05, 0.25, f64::NAN, f64::INFINITY] {
                 h.record(v);
             }
         });
@@ -255,9 +257,9 @@ mod tests {
              x_seconds_bucket{route=\"/a\\\"b\",code=\"200\",le=\"0.001\"} 2\n\
              x_seconds_bucket{route=\"/a\\\"b\",code=\"200\",le=\"0.01\"} 2\n\
              x_seconds_bucket{route=\"/a\\\"b\",code=\"200\",le=\"0.1\"} 3\n\
-             x_seconds_bucket{route=\"/a\\\"b\",code=\"200\",le=\"+Inf\"} 5\n\
-             x_seconds_sum{route=\"/a\\\"b\",code=\"200\"} NaN\n\
-             x_seconds_count{route=\"/a\\\"b\",code=\"200\"} 5\n\n";
+             x_seconds_bucket{route=\"/a\\\"b\",code=\"200\",le=\"+Inf\"} 6\n\
+             x_seconds_sum{route=\"/a\\\"b\",code=\"200\"} 0.3015\n\
+             x_seconds_count{route=\"/a\\\"b\",code=\"200\"} 6\n\n";
         assert_eq!(text, expected);
     }
 

@@ -47,8 +47,9 @@
 //! counts 251 to 260 first-level data misses a request on the
 //! memory-limited route where it counted 288 and 289, and 107 to 110 on
 //! the unlimited one where it counted 129 and 131
-//! (`scripts/http-instructions` run with `--cache-sim=yes`), for 120 to
-//! 230 instructions fewer on the one and 0 to 60 on the other.
+//! (`scripts/http-instructions` run with `--cache-sim=yes`), for 117 and
+//! 12 instructions fewer (counted in the same hour; the counts of one
+//! binary differ by up to a hundred between runs).
 //!
 //! The server passes the peer address to [`Front::answer`] as an argument
 //! rather than as a `ConnectInfo` extension: the first extension a request
@@ -127,12 +128,11 @@ impl Front {
     /// Answers `request`, from the peer in its [`ConnectInfo`] extension
     /// if it has one (as axum's `into_make_service_with_connect_info`
     /// adds); never fails (every error is an HTTP answer).
-    pub async fn handle(self, request: Request<Body>) -> Response {
+    pub async fn handle(self, mut request: Request<Body>) -> Response {
         let peer = request
             .extensions()
             .get::<ConnectInfo<SocketAddr>>()
             .map(|c| c.0.ip());
-        let mut request = request;
         self.answer(&mut request, peer).await.0
     }
 

@@ -430,7 +430,8 @@ pub async fn serve(
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    // Histograms are drained on render; upkeep bounds memory if nobody scrapes.
+    // The exporter's upkeep (see `MetricsHandle::run_upkeep`), also when
+    // nobody scrapes.
     let handle = state.metrics.clone();
     let upkeep = tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(5));

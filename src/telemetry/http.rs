@@ -198,7 +198,11 @@ mod tests {
     /// land in their own series, by method, on the route.
     #[test]
     fn every_duration_lands_in_its_series() {
-        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        // Through the layer `/metrics` renders from.
+        let recorder = crate::metrics::buckets::Buckets::new(
+            metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder(),
+            crate::metrics::SECONDS_BUCKETS,
+        );
         let handle = recorder.handle();
         metrics::with_local_recorder(&recorder, || {
             let durations = Durations::new("/api/items");
