@@ -13,15 +13,19 @@
 //! sees a count that disagrees with its buckets.
 //!
 //! [`Buckets`] is a [`Recorder`] layer: `*_seconds` histograms are
-//! registered here, everything else (and every description) goes on to
-//! the exporter, and [`Buckets::render`] writes these series in the same
-//! text format, to be put after the exporter's.
+//! registered here, everything else (and every other description) goes
+//! on to the exporter, and [`BucketsHandle::render`] writes these series
+//! with the exporter's own formatting functions, to be put after its text.
 
+use indexmap::IndexMap;
 use metrics::{
     Counter, Gauge, Histogram, HistogramFn, Key, KeyName, Metadata, Recorder, SharedString, Unit,
 };
+use metrics_exporter_prometheus::LabelSet;
+use metrics_exporter_prometheus::formatting::{
+    write_help_line, write_metric_line, write_type_line,
+};
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 
@@ -72,8 +76,8 @@ impl HistogramFn for Series {
 #[derive(Debug, Default)]
 struct Family {
     help: Option<String>,
-    /// By label pairs, in registration order within the key.
-    series: BTreeMap<Vec<(String, String)>, Arc<Series>>,
+    /// By labels, in the order the series were first registered.
+    series: IndexMap<LabelSet, Arc<Series>>,
 }
 
 /// The recorder layer; see the module docs.
@@ -155,10 +159,8 @@ impl<R: Recorder> Recorder for Buckets<R> {
         if !ours(key.name()) {
             return self.inner.register_histogram(key, metadata);
         }
-        let labels = key
-            .labels()
-            .map(|l| (l.key().to_owned(), l.value().to_owned()))
-            .collect();
+        // No global labels: the exporter is built with none.
+        let labels = LabelSet::from_key_and_global(key, &IndexMap::new());
         let series = Arc::clone(
             self.families()
                 .entry(key.name().to_owned())
@@ -180,52 +182,43 @@ impl BucketsHandle {
         let mut text = String::new();
         for (name, family) in families.iter().filter(|(_, f)| !f.series.is_empty()) {
             if let Some(help) = &family.help {
-                let _ = writeln!(text, "# HELP {name} {}", escape(help, false));
+                write_help_line(&mut text, name, None, None, help);
             }
-            let _ = writeln!(text, "# TYPE {name} histogram");
+            write_type_line(&mut text, name, None, None, "histogram");
             for (labels, series) in &family.series {
-                let mut pairs = String::new();
-                for (k, v) in labels {
-                    let _ = write!(pairs, "{k}=\"{}\",", escape(v, true));
-                }
                 let mut total = 0u64;
                 for (at, bound) in self.bounds.iter().enumerate() {
                     total += series.counts[at].load(Ordering::Relaxed);
-                    let _ = writeln!(text, "{name}_bucket{{{pairs}le=\"{bound}\"}} {total}");
+                    let le = Some(("le", bound));
+                    write_metric_line(&mut text, name, Some("bucket"), labels, le, total, None);
                 }
                 total += series.counts[self.bounds.len()].load(Ordering::Relaxed);
-                let _ = writeln!(text, "{name}_bucket{{{pairs}le=\"+Inf\"}} {total}");
+                let le = Some(("le", "+Inf"));
+                write_metric_line(&mut text, name, Some("bucket"), labels, le, total, None);
                 let sum = f64::from_bits(series.sum.load(Ordering::Relaxed));
-                let pairs = pairs.trim_end_matches(',');
-                let braces = |s: &str| {
-                    if s.is_empty() {
-                        String::new()
-                    } else {
-                        format!("{{{s}}}")
-                    }
-                };
-                let _ = writeln!(text, "{name}_sum{} {sum}", braces(pairs));
-                let _ = writeln!(text, "{name}_count{} {total}", braces(pairs));
+                write_metric_line::<&str, f64>(
+                    &mut text,
+                    name,
+                    Some("sum"),
+                    labels,
+                    None,
+                    sum,
+                    None,
+                );
+                write_metric_line::<&str, u64>(
+                    &mut text,
+                    name,
+                    Some("count"),
+                    labels,
+                    None,
+                    total,
+                    None,
+                );
             }
             text.push('\n');
         }
         text
     }
-}
-
-/// A label value (`quote`) or a description escaped for the text format:
-/// backslashes and line feeds, and double quotes in label values.
-fn escape(text: &str, quote: bool) -> String {
-    let mut out = String::with_capacity(text.len());
-    for c in text.chars() {
-        match c {
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '"' if quote => out.push_str("\\\""),
-            c => out.push(c),
-        }
-    }
-    out
 }
 
 #[cfg(test)]

@@ -151,7 +151,7 @@ impl Front {
     /// and a box for the value), freed again when the request is dropped.
     #[allow(
         clippy::manual_async_fn,
-        reason = "an async fn holds the request twice; see the module docs"
+        reason = "an async fn holds each argument twice; see the module docs"
     )]
     pub fn answer(
         self,
@@ -193,7 +193,7 @@ impl Front {
 
     #[allow(
         clippy::manual_async_fn,
-        reason = "an async fn holds the request twice; see the module docs"
+        reason = "an async fn holds each argument twice; see the module docs"
     )]
     fn route<'a>(
         router: &'a mut Router,
@@ -238,7 +238,7 @@ impl Front {
 
     #[allow(
         clippy::manual_async_fn,
-        reason = "an async fn holds the request twice; see the module docs"
+        reason = "an async fn holds each argument twice; see the module docs"
     )]
     fn limit_then_call<'a>(
         router: &'a mut Router,
