@@ -47,7 +47,7 @@
 //! counts 251 to 260 first-level data misses a request on the
 //! memory-limited route where it counted 288 and 289, and 107 to 110 on
 //! the unlimited one where it counted 129 and 131
-//! (`scripts/http-instructions` run with `--cache-sim=yes`), for 117 and
+//! (`D1=32768 scripts/http-instructions`), for 117 and
 //! 12 instructions fewer (counted in the same hour; the counts of one
 //! binary differ by up to a hundred between runs).
 //!
