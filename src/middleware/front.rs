@@ -46,9 +46,9 @@
 //! each request over more cache lines: callgrind's cache simulation
 //! counts 251 to 260 first-level data misses a request on the
 //! memory-limited route where it counted 288 and 289, and 107 to 110 on
-//! the unlimited one where it counted 129 and 131
-//! (`D1=32768 scripts/http-instructions`), for 117 and
-//! 12 instructions fewer (counted in the same hour; the counts of one
+//! the unlimited one where it counted 129 and 131 (what
+//! `D1=32768 scripts/http-instructions` counts now), for 117 and 12
+//! instructions fewer (counted in the same hour; the counts of one
 //! binary differ by up to a hundred between runs).
 //!
 //! The server passes the peer address to [`Front::answer`] as an argument
