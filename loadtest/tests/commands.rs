@@ -613,6 +613,7 @@ fn http_cost_writes_its_tables() {
     }
     assert!(table.contains("- memory-limited route vs tower_governor with headers: median "));
     assert!(table.contains("- memory-limited route vs tower_governor, user space alone: "));
+    assert!(table.contains("- lua route's server CPU beyond the memory route's vs Redis's CPU: "));
     let runs = csv_rows(&dir.join("runs.csv"));
     assert_eq!(runs.len(), 12, "6 variants x 2 rounds");
     assert!(runs.iter().all(|r| r["other"] == "0"));
