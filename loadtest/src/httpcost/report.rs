@@ -60,6 +60,23 @@ fn redis_shares(runs: &[Run], figure: fn(&Run) -> f64) -> Vec<f64> {
         .collect()
 }
 
+/// A goal's line: `median` against `bound`, or not measured (NaN).
+fn judged(what: &str, median: f64, bound: f64) -> String {
+    if median.is_nan() {
+        return format!("- {what}: not measured in this run");
+    }
+    let verdict = if median <= bound { "met" } else { "not met" };
+    format!("- {what}: median {median:.2}x, goal at most {bound:.2}x: {verdict}")
+}
+
+/// A reported figure's line: `median`, or not measured (NaN).
+fn reported(what: &str, median: f64) -> String {
+    if median.is_nan() {
+        return format!("- {what}: not measured in this run");
+    }
+    format!("- {what}: median {median:.2}x (reported)")
+}
+
 fn total_us(r: &Run) -> f64 {
     r.server_us() + r.redis_us()
 }
@@ -144,12 +161,7 @@ pub(super) fn tables(runs: &[Run], variants: &[String]) -> (Table, Table, Vec<St
     }
     // The goals, each a median of same-round ratios.
     let goal = |what: &str, variant: &str, peer: &str, bound: f64| {
-        let m = median(ratios(runs, variant, peer, total_us));
-        if m.is_nan() {
-            return format!("- {what}: not measured in this run");
-        }
-        let verdict = if m <= bound { "met" } else { "not met" };
-        format!("- {what}: median {m:.2}x, goal at most {bound:.2}x: {verdict}")
+        judged(what, median(ratios(runs, variant, peer, total_us)), bound)
     };
     let mut goals = vec![
         goal(
@@ -164,11 +176,11 @@ pub(super) fn tables(runs: &[Run], variants: &[String]) -> (Table, Table, Vec<St
     // the kernel's share, which is about the same for every server and
     // most of the CPU. Reported, not judged: the goals are on the whole.
     let user = |what: &str, variant: &str, peer: &str| {
-        let m = median(ratios(runs, variant, peer, Run::server_user_us));
-        if m.is_nan() {
-            return format!("- {what}, user space alone: not measured in this run");
-        }
-        format!("- {what}, user space alone: median {m:.2}x (reported)")
+        let what = format!("{what}, user space alone");
+        reported(
+            &what,
+            median(ratios(runs, variant, peer, Run::server_user_us)),
+        )
     };
     goals.push(user(
         "memory-limited route vs tower_governor",
@@ -177,18 +189,14 @@ pub(super) fn tables(runs: &[Run], variants: &[String]) -> (Table, Table, Vec<St
     ));
     goals.push(user("unlimited route vs plain axum", "unlimited", "plain"));
     let what = "lua route's server CPU beyond the memory route's vs Redis's CPU";
-    let whole = median(redis_shares(runs, Run::server_us));
-    goals.push(if whole.is_nan() {
-        format!("- {what}: not measured in this run")
-    } else {
-        let verdict = if whole <= 0.5 { "met" } else { "not met" };
-        format!("- {what}: median {whole:.2}x, goal at most 0.50x: {verdict}")
-    });
+    goals.push(judged(
+        what,
+        median(redis_shares(runs, Run::server_us)),
+        0.5,
+    ));
     let user = median(redis_shares(runs, Run::server_user_us));
     if !user.is_nan() {
-        goals.push(format!(
-            "- {what}, user space alone: median {user:.2}x (reported)"
-        ));
+        goals.push(reported(&format!("{what}, user space alone"), user));
     }
     (summary, all, goals)
 }
