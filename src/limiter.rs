@@ -19,6 +19,7 @@ use metrics::{Counter, Gauge, Histogram};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
+use std::time::Duration;
 use tracing::Instrument;
 
 /// What the limiter concluded about one request.
@@ -87,6 +88,12 @@ impl Limiting {
     pub async fn check(&self, headers: &HeaderMap, peer: Option<IpAddr>) -> Outcome {
         self.limiter.check_at(self.position, headers, peer).await
     }
+
+    /// The longest [`Limiting::check`] can wait on the store, if the store
+    /// stack bounds it ([`Store::longest_wait`]).
+    pub fn longest_wait(&self) -> Option<Duration> {
+        self.limiter.longest_wait
+    }
 }
 
 /// Identity + policy + store. Shared by every request (`Arc`).
@@ -96,6 +103,8 @@ pub struct Limiter {
     identifier: Identifier,
     hasher: KeyHasher,
     store: Arc<dyn Store>,
+    /// `store`'s [`Store::longest_wait`], asked once.
+    longest_wait: Option<Duration>,
     clock: Arc<dyn Clock>,
     near_limit_fraction: f64,
     hot_keys: Option<Arc<HotKeys>>,
@@ -316,6 +325,7 @@ impl Limiter {
             policies,
             identifier,
             hasher,
+            longest_wait: store.longest_wait(),
             store,
             clock,
             near_limit_fraction,

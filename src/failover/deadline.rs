@@ -56,12 +56,14 @@ impl<S> Deadline<S> {
 
 impl<S: Store> Store for Deadline<S> {
     fn check(&self, check: Check) -> CheckFuture<'_> {
-        let inner = Arc::clone(&self.inner);
-        let mut call: BoxFuture<'static, _> = Box::pin(async move { inner.check(check).await });
+        // Owning its store, so that a late call can go on in a task of its
+        // own: the store's own future, not one more box around it.
+        let mut call = Arc::clone(&self.inner).check_owned(check);
         let (deadline, late_within) = (self.deadline, self.late_within);
         CheckFuture::waiting(async move {
+            // One clock read: the deadline is taken from the start.
             let start = tokio::time::Instant::now();
-            if let Ok(result) = tokio::time::timeout(deadline, &mut call).await {
+            if let Ok(result) = tokio::time::timeout_at(start + deadline, &mut call).await {
                 return result;
             }
             let rest = late_within.saturating_sub(start.elapsed());
@@ -81,6 +83,10 @@ impl<S: Store> Store for Deadline<S> {
             });
             Err(StoreError::Deadline(late))
         })
+    }
+
+    fn longest_wait(&self) -> Option<Duration> {
+        Some(self.deadline)
     }
 
     fn backend(&self) -> &'static str {

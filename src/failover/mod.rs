@@ -348,6 +348,10 @@ impl<S: Store> Store for Failover<S> {
     fn one_node(&self) -> bool {
         self.inner.one_node()
     }
+
+    fn longest_wait(&self) -> Option<Duration> {
+        self.inner.longest_wait()
+    }
 }
 
 fn record(t: Transition) {

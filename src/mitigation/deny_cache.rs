@@ -162,4 +162,8 @@ impl<S: Store> Store for DenyCache<S> {
     fn one_node(&self) -> bool {
         self.inner.one_node()
     }
+
+    fn longest_wait(&self) -> Option<Duration> {
+        self.inner.longest_wait()
+    }
 }

@@ -292,4 +292,9 @@ impl<S: Store> Store for Leases<S> {
     fn one_node(&self) -> bool {
         self.inner.one_node()
     }
+
+    /// Two calls, one after the other, when a lease is not to be had.
+    fn longest_wait(&self) -> Option<Duration> {
+        self.inner.longest_wait()?.checked_mul(2)
+    }
 }

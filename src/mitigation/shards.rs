@@ -179,4 +179,8 @@ impl<S: Store> Store for Sharded<S> {
     fn one_node(&self) -> bool {
         self.inner.one_node()
     }
+
+    fn longest_wait(&self) -> Option<Duration> {
+        self.inner.longest_wait()
+    }
 }

@@ -9,6 +9,7 @@
 use super::{BoxFuture, Check, CheckFuture, Store, StoreError};
 use crate::metrics as m;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Counts every error of the store it wraps in
 /// `ratelimit_store_errors_total{backend, kind}`.
@@ -53,5 +54,9 @@ impl<S: Store> Store for Counted<S> {
 
     fn one_node(&self) -> bool {
         self.inner.one_node()
+    }
+
+    fn longest_wait(&self) -> Option<Duration> {
+        self.inner.longest_wait()
     }
 }

@@ -44,6 +44,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 /// A boxed, sendable future, as returned by [`Store::ready`] (and held by
 /// a [`CheckFuture`] that waits).
@@ -286,6 +287,27 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// polled.
     fn check(&self, check: Check) -> CheckFuture<'_>;
 
+    /// [`Store::check`] on a store held by an `Arc`, its answer owning the
+    /// store, so that it can outlive the call (the deadline hands a late
+    /// call on to a task of its own). The default boxes the borrowing
+    /// future once more; a store that waits answers its own owning future
+    /// instead, which spares the deadline a box and a layer of polling a
+    /// check.
+    fn check_owned(self: Arc<Self>, check: Check) -> CheckFuture<'static> {
+        CheckFuture::waiting(async move { self.check(check).await })
+    }
+
+    /// The longest a check can wait on this store, when something bounds
+    /// it: `Some(ZERO)` for a store that answers when called, the deadline
+    /// for one under a [`crate::failover::Deadline`], and `None` (the
+    /// default, always safe) when nothing below is known to. The front
+    /// service spares a check bounded within the request timeout its own
+    /// timer. Wrappers answer their inner store's, times the calls they
+    /// make one after the other.
+    fn longest_wait(&self) -> Option<Duration> {
+        None
+    }
+
     /// The backend's name, as used in metric labels and logs (wrappers
     /// answer their backend's).
     fn backend(&self) -> &'static str;
@@ -320,6 +342,14 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
 impl<S: Store + ?Sized> Store for Arc<S> {
     fn check(&self, check: Check) -> CheckFuture<'_> {
         (**self).check(check)
+    }
+
+    fn check_owned(self: Arc<Self>, check: Check) -> CheckFuture<'static> {
+        Arc::clone(&*self).check_owned(check)
+    }
+
+    fn longest_wait(&self) -> Option<Duration> {
+        (**self).longest_wait()
     }
 
     fn backend(&self) -> &'static str {

@@ -14,6 +14,7 @@ pub use table::{Slot, Table};
 
 use super::{Check, CheckFuture, Checked, Source, Store, StoreError};
 use crate::algorithm::{self, Decision, PackedError};
+use std::time::Duration;
 
 /// In-memory limit store. See the module documentation.
 #[derive(Debug)]
@@ -90,6 +91,11 @@ impl Store for MemoryStore {
             .decide(&check)
             .map(|decision| Checked::decided(decision, check.limit, Source::Memory));
         CheckFuture::ready(checked)
+    }
+
+    /// Answered when called: it never waits.
+    fn longest_wait(&self) -> Option<Duration> {
+        Some(Duration::ZERO)
     }
 
     fn backend(&self) -> &'static str {
