@@ -61,9 +61,23 @@ pub type CheckResult = Result<Checked, StoreError>;
 /// the stack cost two of the seven allocations a profile of the
 /// memory-limited route showed over the unlimited one. A wrapper adds its
 /// step with [`CheckFuture::map`], which runs it at once on an answer
-/// that is here and boxes only around one that is not.
+/// that is here and boxes only around one that is not; a wrapper that
+/// only looks at the answer ([`Observe`], as the error count does) adds
+/// itself with [`CheckFuture::observe`], which boxes nothing: the future
+/// keeps one such onlooker beside its answer.
 #[must_use = "a check's answer is lost unless awaited"]
-pub struct CheckFuture<'a>(Answer<'a>);
+pub struct CheckFuture<'a> {
+    answer: Answer<'a>,
+    /// Shown the answer when it comes, before it is returned.
+    onlooker: Option<&'a dyn Observe>,
+}
+
+/// A store layer that looks at each answer and leaves it as it is (see
+/// [`CheckFuture::observe`]).
+pub trait Observe: Sync {
+    /// Sees `result` on its way up.
+    fn observe(&self, result: &CheckResult);
+}
 
 enum Answer<'a> {
     /// Here; taken by the poll that returns it.
@@ -74,26 +88,69 @@ enum Answer<'a> {
 impl<'a> CheckFuture<'a> {
     /// An answer that is here.
     pub fn ready(result: CheckResult) -> Self {
-        Self(Answer::Ready(Some(result)))
+        Self {
+            answer: Answer::Ready(Some(result)),
+            onlooker: None,
+        }
     }
 
     /// An answer still to come from `future`.
     pub fn waiting(future: impl Future<Output = CheckResult> + Send + 'a) -> Self {
-        Self(Answer::Waiting(Box::pin(future)))
+        Self {
+            answer: Answer::Waiting(Box::pin(future)),
+            onlooker: None,
+        }
     }
 
     /// Whether the answer is here (awaiting it will not wait).
     pub fn is_ready(&self) -> bool {
-        matches!(self.0, Answer::Ready(_))
+        matches!(self.answer, Answer::Ready(_))
     }
 
     /// `step` applied to the answer: now, if it is here; else when it
     /// comes.
     pub fn map(self, step: impl FnOnce(CheckResult) -> CheckResult + Send + 'a) -> Self {
-        match self.0 {
-            Answer::Ready(Some(result)) => Self::ready(step(result)),
-            Answer::Ready(None) => self,
-            Answer::Waiting(future) => Self::waiting(async move { step(future.await) }),
+        match self {
+            Self {
+                answer: Answer::Ready(Some(result)),
+                onlooker: None,
+            } => Self::ready(step(result)),
+            Self {
+                answer: Answer::Ready(None),
+                ..
+            } => self,
+            // Waiting, or an onlooker to show the answer first.
+            waiting => Self::waiting(async move { step(waiting.await) }),
+        }
+    }
+
+    /// The answer shown to `onlooker` as it passes: now, if it is here;
+    /// else when it comes, with no box of its own (unless an onlooker is
+    /// already waiting for it).
+    pub fn observe(self, onlooker: &'a dyn Observe) -> Self {
+        match self {
+            Self {
+                answer: Answer::Ready(Some(result)),
+                onlooker: None,
+            } => {
+                onlooker.observe(&result);
+                Self::ready(result)
+            }
+            Self {
+                answer: Answer::Ready(None),
+                ..
+            } => self,
+            Self {
+                answer,
+                onlooker: None,
+            } => Self {
+                answer,
+                onlooker: Some(onlooker),
+            },
+            taken => taken.map(move |result| {
+                onlooker.observe(&result);
+                result
+            }),
         }
     }
 }
@@ -102,12 +159,15 @@ impl Future for CheckFuture<'_> {
     type Output = CheckResult;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<CheckResult> {
-        match &mut self.get_mut().0 {
-            Answer::Ready(result) => {
-                Poll::Ready(result.take().expect("CheckFuture polled after completion"))
-            }
-            Answer::Waiting(future) => future.as_mut().poll(cx),
+        let this = self.get_mut();
+        let result = match &mut this.answer {
+            Answer::Ready(result) => result.take().expect("CheckFuture polled after completion"),
+            Answer::Waiting(future) => std::task::ready!(future.as_mut().poll(cx)),
+        };
+        if let Some(onlooker) = this.onlooker.take() {
+            onlooker.observe(&result);
         }
+        Poll::Ready(result)
     }
 }
 
@@ -461,5 +521,49 @@ mod tests {
         assert_eq!(steps.load(Ordering::Relaxed), 1);
         assert!(waiting.await.unwrap().bounded);
         assert_eq!(steps.load(Ordering::Relaxed), 2);
+    }
+
+    /// Counts the answers it is shown.
+    struct Onlooker(AtomicU32);
+
+    impl Observe for Onlooker {
+        fn observe(&self, result: &CheckResult) {
+            assert!(result.is_ok());
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// An onlooker sees an answer that is here at once, and one still to
+    /// come when it comes, once each; a second onlooker on the same
+    /// waiting answer sees it too, and after the first.
+    #[tokio::test]
+    async fn onlookers_see_each_answer_once_now_or_when_it_comes() {
+        let (first, second) = (Onlooker(AtomicU32::new(0)), Onlooker(AtomicU32::new(0)));
+        let ready = CheckFuture::ready(answer()).observe(&first);
+        assert!(ready.is_ready());
+        assert_eq!(first.0.load(Ordering::Relaxed), 1);
+        ready.await.unwrap();
+        assert_eq!(first.0.load(Ordering::Relaxed), 1, "shown once, not again when awaited");
+
+        let waiting = CheckFuture::waiting(async {
+            tokio::task::yield_now().await;
+            answer()
+        })
+        .observe(&first)
+        .observe(&second);
+        assert_eq!(first.0.load(Ordering::Relaxed), 1);
+        assert_eq!(second.0.load(Ordering::Relaxed), 0);
+        let order = std::sync::Mutex::new(Vec::new());
+        let checked = waiting
+            .map(|result| {
+                order.lock().unwrap().extend([
+                    first.0.load(Ordering::Relaxed),
+                    second.0.load(Ordering::Relaxed),
+                ]);
+                result
+            })
+            .await;
+        assert!(checked.is_ok());
+        assert_eq!(*order.lock().unwrap(), [2, 1], "both shown before the step above");
     }
 }
