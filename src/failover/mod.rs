@@ -151,10 +151,11 @@ impl BreakerHandle {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// A check was decided by Redis, or (`fallback`) by the failure mode.
-    fn decided(&self, fallback: bool) {
-        let now = self.monotonic();
-        self.lock_recent().decided(now, fallback);
+    /// A check that began `at` (its permit's reading: one clock read a
+    /// check, and the window is seconds long) was decided by Redis, or
+    /// (`fallback`) by the failure mode.
+    fn decided(&self, at: Micros, fallback: bool) {
+        self.lock_recent().decided(at, fallback);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Breaker> {
@@ -169,13 +170,14 @@ impl BreakerHandle {
         u64::try_from(self.shared.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
     }
 
-    fn permit(&self) -> Permit {
+    /// Whether a check may call the store now, and when now is.
+    fn permit(&self) -> (Permit, Micros) {
         let now = self.monotonic();
         let (permit, transition) = self.lock().permit(now);
         if let Some(t) = transition {
             record(t);
         }
-        permit
+        (permit, now)
     }
 
     fn success(&self, permit: Permit) {
@@ -265,7 +267,7 @@ impl<S> Failover<S> {
 impl<S: Store> Store for Failover<S> {
     fn check(&self, check: Check) -> CheckFuture<'_> {
         CheckFuture::waiting(async move {
-            let permit = self.breaker.permit();
+            let (permit, began) = self.breaker.permit();
             if permit != Permit::Skip {
                 let ceiling = match (
                     check.ceiling,
@@ -277,7 +279,7 @@ impl<S: Store> Store for Failover<S> {
                 match self.inner.check(check.with_ceiling(ceiling)).await {
                     Ok(checked) => {
                         self.breaker.success(permit);
-                        self.breaker.decided(false);
+                        self.breaker.decided(began, false);
                         if let Some(decision) = &checked.decision {
                             self.local.mirror(&check, decision);
                         }
@@ -327,7 +329,7 @@ impl<S: Store> Store for Failover<S> {
                     "redis skipped: the circuit breaker is open"
                 );
             }
-            self.breaker.decided(true);
+            self.breaker.decided(began, true);
             self.local.fell_back();
             self.fall_back(&check)
         })

@@ -543,7 +543,11 @@ mod tests {
         assert!(ready.is_ready());
         assert_eq!(first.0.load(Ordering::Relaxed), 1);
         ready.await.unwrap();
-        assert_eq!(first.0.load(Ordering::Relaxed), 1, "shown once, not again when awaited");
+        assert_eq!(
+            first.0.load(Ordering::Relaxed),
+            1,
+            "shown once, not again when awaited"
+        );
 
         let waiting = CheckFuture::waiting(async {
             tokio::task::yield_now().await;
@@ -564,6 +568,10 @@ mod tests {
             })
             .await;
         assert!(checked.is_ok());
-        assert_eq!(*order.lock().unwrap(), [2, 1], "both shown before the step above");
+        assert_eq!(
+            *order.lock().unwrap(),
+            [2, 1],
+            "both shown before the step above"
+        );
     }
 }
