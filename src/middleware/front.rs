@@ -41,10 +41,12 @@
 //! route's work). Those steps are also functions returning an `async
 //! move` block rather than `async fn`s, whose futures hold each argument
 //! twice (as captured, and as the local the body moves it into). The
-//! future hyper moves into place on every request is 1 344 bytes, where
+//! future hyper moves into place on every request was 1 344 bytes, where
 //! it was 2 336 with the request taken by value (`-Zprint-type-sizes`,
 //! rustc 1.95; with two more cuts below it, in `within` and
-//! `Limiter::decide`); with `async fn`s, the answer's own future was
+//! `Limiter::decide`; the answer's future inside it has grown by 64
+//! bytes since, to 1 104, with the deadline as an instant and the
+//! check's onlooker slot); with `async fn`s, the answer's own future was
 //! 2 848 bytes where the `async move` blocks made it 1 952 (an older
 //! rustc). Moving a future copies all of it, and a larger one spreads
 //! each request over more cache lines: callgrind's cache simulation
@@ -257,11 +259,12 @@ impl Front {
     ) -> impl Future<Output = Option<Response>> + 'a {
         async move {
             // A check the store stack bounds within the request timeout
-            // (by its deadline: 10 ms by default, against 30 s) is not put
-            // under the request's timer as well. One timer less a check
-            // that waits: `loadtest http-cost` at 32 connections, the lua
-            // route's CPU beyond the memory route's against Redis's went
-            // from 0.59-0.61x to 0.48-0.54x in alternating runs.
+            // (twice the Redis deadline under leases: 20 ms by default,
+            // against 30 s) is not put under the request's timer as well.
+            // One timer less a check that waits: `loadtest http-cost` at
+            // 32 connections, the lua route's CPU beyond the memory
+            // route's against Redis's went from 0.55-0.61x to 0.51-0.53x
+            // in alternated runs (docs/redis.md).
             let outcome = if bounded {
                 limiting.check(request.headers(), peer).await
             } else {

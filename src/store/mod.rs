@@ -350,9 +350,10 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// [`Store::check`] on a store held by an `Arc`, its answer owning the
     /// store, so that it can outlive the call (the deadline hands a late
     /// call on to a task of its own). The default boxes the borrowing
-    /// future once more; a store that waits answers its own owning future
-    /// instead, which spares the deadline a box and a layer of polling a
-    /// check.
+    /// future once more; a store on the hot path (`LuaStore`) answers its
+    /// own owning future instead, which spares the deadline a box and a
+    /// layer of polling a check. Like [`Store::check`] for a store that
+    /// waits, it does its work only when polled.
     fn check_owned(self: Arc<Self>, check: Check) -> CheckFuture<'static> {
         CheckFuture::waiting(async move { self.check(check).await })
     }
@@ -523,13 +524,18 @@ mod tests {
         assert_eq!(steps.load(Ordering::Relaxed), 2);
     }
 
-    /// Counts the answers it is shown.
-    struct Onlooker(AtomicU32);
+    /// Counts the answers it is shown, and records what `before` had
+    /// counted when it was.
+    struct Onlooker<'a>(AtomicU32, Option<&'a Onlooker<'a>>, AtomicU32);
 
-    impl Observe for Onlooker {
+    impl Observe for Onlooker<'_> {
         fn observe(&self, result: &CheckResult) {
             assert!(result.is_ok());
             self.0.fetch_add(1, Ordering::Relaxed);
+            if let Some(before) = self.1 {
+                self.2
+                    .store(before.0.load(Ordering::Relaxed), Ordering::Relaxed);
+            }
         }
     }
 
@@ -538,7 +544,8 @@ mod tests {
     /// waiting answer sees it too, and after the first.
     #[tokio::test]
     async fn onlookers_see_each_answer_once_now_or_when_it_comes() {
-        let (first, second) = (Onlooker(AtomicU32::new(0)), Onlooker(AtomicU32::new(0)));
+        let first = Onlooker(AtomicU32::new(0), None, AtomicU32::new(0));
+        let second = Onlooker(AtomicU32::new(0), Some(&first), AtomicU32::new(0));
         let ready = CheckFuture::ready(answer()).observe(&first);
         assert!(ready.is_ready());
         assert_eq!(first.0.load(Ordering::Relaxed), 1);
@@ -573,5 +580,11 @@ mod tests {
             [2, 1],
             "both shown before the step above"
         );
+        assert_eq!(second.2.load(Ordering::Relaxed), 2, "the first shown first");
+
+        // A check dropped before its answer came shows nothing.
+        let dropped = CheckFuture::waiting(std::future::pending()).observe(&first);
+        drop(dropped);
+        assert_eq!(first.0.load(Ordering::Relaxed), 2);
     }
 }
