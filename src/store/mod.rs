@@ -130,24 +130,14 @@ impl<'a> CheckFuture<'a> {
     pub fn observe(self, onlooker: &'a dyn Observe) -> Self {
         match self {
             Self {
-                answer: Answer::Ready(Some(result)),
-                onlooker: None,
-            } => {
-                onlooker.observe(&result);
-                Self::ready(result)
-            }
-            Self {
-                answer: Answer::Ready(None),
-                ..
-            } => self,
-            Self {
-                answer,
+                answer: answer @ Answer::Waiting(_),
                 onlooker: None,
             } => Self {
                 answer,
                 onlooker: Some(onlooker),
             },
-            taken => taken.map(move |result| {
+            // Here (shown now), or the slot taken (boxed).
+            other => other.map(move |result| {
                 onlooker.observe(&result);
                 result
             }),
