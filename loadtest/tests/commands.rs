@@ -583,6 +583,7 @@ fn http_cost_writes_its_tables() {
     let table = std::fs::read_to_string(dir.join("table.md")).unwrap();
     println!("{table}");
     assert!(table.contains("Command: `loadtest http-cost --requests 3000"));
+    assert!(table.contains("the load generator on CPU 1 (one thread, never asleep)"));
     for variant in ["unlimited", "memory", "lua", "denied", "governor", "plain"] {
         let cells: Vec<&str> = table
             .lines()
@@ -628,5 +629,43 @@ fn http_cost_writes_its_tables() {
             .unwrap()
             .starts_with("variant,")
     );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// The load generator with a thread asleep per connection (`--client
+/// threads`) counts the same answers as the spinning one, and says which
+/// it was.
+#[test]
+fn http_cost_drives_with_sleeping_threads_too() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    servers_built();
+    let dir = std::env::temp_dir().join(format!("loadtest-http-threads-{}", std::process::id()));
+    let out = Command::new(BIN)
+        .args([
+            "http-cost",
+            "--client",
+            "threads",
+            "--variants",
+            "denied,plain",
+        ])
+        .args(["--requests", "2000", "--warmup", "200", "--repeats", "1"])
+        .args(["--connections", "3", "--out"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let table = std::fs::read_to_string(dir.join("table.md")).unwrap();
+    assert!(table.contains("(a thread per connection, asleep in read)"));
+    for (variant, answers) in [("denied", "2000 x 429"), ("plain", "2000 x 200")] {
+        let row = table
+            .lines()
+            .find(|l| l.starts_with(&format!("| {variant} |")))
+            .unwrap_or_else(|| panic!("no {variant} row in:\n{table}"));
+        assert!(row.ends_with(&format!("| {answers} |")), "{row}");
+    }
     std::fs::remove_dir_all(dir).unwrap();
 }

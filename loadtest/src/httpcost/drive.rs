@@ -36,20 +36,25 @@ fn exchange(
 ) -> anyhow::Result<(u16, std::ops::Range<usize>)> {
     stream.write_all(request)?;
     buf.clear();
-    let mut read_more = |buf: &mut Vec<u8>| -> anyhow::Result<()> {
+    loop {
         let len = buf.len();
         buf.resize(len + 16 * 1024, 0);
         let n = stream.read(&mut buf[len..])?;
         buf.truncate(len + n);
         ensure!(n > 0, "the server closed the connection");
-        Ok(())
-    };
-    let head_end = loop {
-        read_more(buf)?;
-        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break i + 4;
+        if let Some(answer) = answer(buf)? {
+            return Ok(answer);
         }
+    }
+}
+
+/// The answer in `buf`, once it is all there: its status and its body's
+/// range. `None` while more is to come.
+fn answer(buf: &[u8]) -> anyhow::Result<Option<(u16, std::ops::Range<usize>)>> {
+    let Some(head_end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+        return Ok(None);
     };
+    let head_end = head_end + 4;
     let head = std::str::from_utf8(&buf[..head_end])?;
     let status: u16 = head
         .get(9..12)
@@ -63,10 +68,7 @@ fn exchange(
                 .then(|| value.trim().parse().ok())?
         })
         .with_context(|| format!("no Content-Length: {head:?}"))?;
-    while buf.len() < head_end + length {
-        read_more(buf)?;
-    }
-    Ok((status, head_end..head_end + length))
+    Ok((buf.len() >= head_end + length).then_some((status, head_end..head_end + length)))
 }
 
 /// What one connection saw.
@@ -78,6 +80,52 @@ pub(super) struct Tally {
     pub(super) other: usize,
 }
 
+impl Tally {
+    fn with_capacity(requests: usize) -> Self {
+        Self {
+            latencies_us: Vec::with_capacity(requests),
+            ..Self::default()
+        }
+    }
+
+    /// An answer with `status` to the request sent at `sent`.
+    fn record(&mut self, sent: Instant, status: u16) {
+        let us = sent.elapsed().as_micros();
+        self.latencies_us
+            .push(u32::try_from(us).unwrap_or(u32::MAX));
+        match status {
+            200 => self.ok += 1,
+            429 => self.limited += 1,
+            _ => self.other += 1,
+        }
+    }
+
+    fn add(&mut self, other: Tally) {
+        self.latencies_us.extend(other.latencies_us);
+        self.ok += other.ok;
+        self.limited += other.limited;
+        self.other += other.other;
+    }
+}
+
+/// How the load generator waits for an answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Client {
+    /// One thread polls every connection without ever sleeping
+    /// (`epoll_wait` with a zero timeout). An answer finds nobody asleep
+    /// on its socket, so the server's write wakes nothing.
+    Spin,
+    /// A thread per connection, asleep in `read` until its answer comes:
+    /// the server's write wakes it, and over loopback the server pays for
+    /// that wake-up (on a VM, often an interrupt to an idle CPU), more the
+    /// more often the load generator is idle, that is the slower the
+    /// server (docs/load/http-cost/summary.md).
+    Threads,
+}
+
+/// The request every connection sends.
+const REQUEST: &[u8] = b"GET /api/items HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
+
 /// Drives `port` with `args.connections` closed-loop connections: the
 /// warm-up, then the measured requests, reading `pids`' CPU (user, kernel)
 /// around them.
@@ -87,15 +135,167 @@ pub(super) fn drive(
     args: &HttpCostArgs,
 ) -> anyhow::Result<(f64, Vec<CpuTimes>, Tally)> {
     let connections = args.connections.max(1);
+    // The requests shared out, the first connections taking the rest.
+    let share = |i: usize, n: usize| n / connections + usize::from(i < n % connections);
+    let shares = (0..connections).map(|i| (share(i, args.warmup), share(i, args.requests)));
+    let cpu = || -> Vec<CpuTimes> {
+        pids.iter()
+            .map(|&p| {
+                process_times(p).unwrap_or(CpuTimes {
+                    user: f64::NAN,
+                    system: f64::NAN,
+                })
+            })
+            .collect()
+    };
+    let (before, started, mut all) = match args.client {
+        Client::Spin => spin(port, shares.collect(), cpu)?,
+        Client::Threads => threads(port, shares.collect(), cpu)?,
+    };
+    let seconds = started.elapsed().as_secs_f64();
+    let used = cpu()
+        .into_iter()
+        .zip(before)
+        .map(|(after, b)| CpuTimes {
+            user: after.user - b.user,
+            system: after.system - b.system,
+        })
+        .collect();
+    all.latencies_us.sort_unstable();
+    Ok((seconds, used, all))
+}
+
+/// A connection of the spinning client.
+struct Conn {
+    stream: TcpStream,
+    buf: Vec<u8>,
+    /// When the request in flight was sent.
+    sent: Instant,
+    /// Requests still to send in this phase, the one in flight included.
+    left: usize,
+}
+
+/// How long the spinning client waits for any answer before it gives up:
+/// a server that stopped answering ends the run with an error.
+const STALL: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// [`Client::Spin`]: every connection from this thread, the warm-up
+/// shares then (with `cpu` read between) the measured ones.
+fn spin(
+    port: u16,
+    shares: Vec<(usize, usize)>,
+    cpu: impl Fn() -> Vec<CpuTimes>,
+) -> anyhow::Result<(Vec<CpuTimes>, Instant, Tally)> {
+    use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
+    let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)?;
+    let mut conns = Vec::with_capacity(shares.len());
+    for (i, _) in shares.iter().enumerate() {
+        let stream = TcpStream::connect(("127.0.0.1", port))?;
+        stream.set_nodelay(true)?;
+        stream.set_nonblocking(true)?;
+        epoll.add(&stream, EpollEvent::new(EpollFlags::EPOLLIN, i as u64))?;
+        conns.push(Conn {
+            stream,
+            buf: Vec::with_capacity(16 * 1024),
+            sent: Instant::now(),
+            left: 0,
+        });
+    }
+    let mut events = vec![EpollEvent::empty(); conns.len()];
+    // One phase: each connection sends its share, one request at a time.
+    let mut phase = |shares: &mut dyn Iterator<Item = usize>,
+                     tally: &mut Option<&mut Tally>|
+     -> anyhow::Result<()> {
+        let mut active = 0;
+        for (conn, share) in conns.iter_mut().zip(shares) {
+            conn.left = share;
+            if share > 0 {
+                active += 1;
+                conn.sent = Instant::now();
+                send(&mut conn.stream)?;
+            }
+        }
+        let mut last_answer = Instant::now();
+        while active > 0 {
+            let ready = epoll.wait(&mut events, EpollTimeout::ZERO)?;
+            if ready == 0 {
+                ensure!(
+                    last_answer.elapsed() < STALL,
+                    "no answer from the server in {STALL:?}"
+                );
+                continue;
+            }
+            for event in &events[..ready] {
+                let conn = &mut conns[event.data() as usize];
+                let Some((status, _)) = read_answer(conn)? else {
+                    continue;
+                };
+                last_answer = Instant::now();
+                if let Some(tally) = tally {
+                    tally.record(conn.sent, status);
+                }
+                conn.buf.clear();
+                conn.left -= 1;
+                if conn.left == 0 {
+                    active -= 1;
+                } else {
+                    conn.sent = Instant::now();
+                    send(&mut conn.stream)?;
+                }
+            }
+        }
+        Ok(())
+    };
+    phase(&mut shares.iter().map(|s| s.0), &mut None)?;
+    let mut tally = Tally::with_capacity(shares.iter().map(|s| s.1).sum());
+    let before = cpu();
+    let started = Instant::now();
+    phase(&mut shares.iter().map(|s| s.1), &mut Some(&mut tally))?;
+    Ok((before, started, tally))
+}
+
+/// Sends the request on a non-blocking connection with nothing else in
+/// flight: its few bytes fit the socket's buffer, or something is wrong.
+fn send(stream: &mut TcpStream) -> anyhow::Result<()> {
+    let n = stream.write(REQUEST).context("cannot send the request")?;
+    ensure!(n == REQUEST.len(), "the request went out in part");
+    Ok(())
+}
+
+/// Reads what `conn`'s socket has; its answer once all of it is there.
+fn read_answer(conn: &mut Conn) -> anyhow::Result<Option<(u16, std::ops::Range<usize>)>> {
+    loop {
+        let len = conn.buf.len();
+        conn.buf.resize(len + 16 * 1024, 0);
+        match conn.stream.read(&mut conn.buf[len..]) {
+            Ok(n) => {
+                conn.buf.truncate(len + n);
+                ensure!(n > 0, "the server closed the connection");
+                if let Some(answer) = answer(&conn.buf)? {
+                    return Ok(Some(answer));
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                conn.buf.truncate(len);
+                return Ok(None);
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// [`Client::Threads`]: a thread per connection, each its warm-up share,
+/// then (all warmed up, `cpu` read) its measured one.
+fn threads(
+    port: u16,
+    shares: Vec<(usize, usize)>,
+    cpu: impl Fn() -> Vec<CpuTimes>,
+) -> anyhow::Result<(Vec<CpuTimes>, Instant, Tally)> {
     // Both barriers: every connection warmed up, then all start together.
-    let warmed = Arc::new(Barrier::new(connections + 1));
-    let start = Arc::new(Barrier::new(connections + 1));
-    let request = b"GET /api/items HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
+    let warmed = Arc::new(Barrier::new(shares.len() + 1));
+    let start = Arc::new(Barrier::new(shares.len() + 1));
     let mut threads = Vec::new();
-    for i in 0..connections {
-        // The requests shared out, the first connections taking the rest.
-        let share = |n: usize| n / connections + usize::from(i < n % connections);
-        let (warmup, measured) = (share(args.warmup), share(args.requests));
+    for (warmup, measured) in shares {
         let (warmed, start) = (Arc::clone(&warmed), Arc::clone(&start));
         threads.push(std::thread::spawn(move || -> anyhow::Result<Tally> {
             let mut stream = TcpStream::connect(("127.0.0.1", port));
@@ -106,7 +306,7 @@ pub(super) fn drive(
             let mut warm = || -> anyhow::Result<()> {
                 let stream = stream.as_mut().map_err(|e| anyhow::anyhow!("{e}"))?;
                 for _ in 0..warmup {
-                    exchange(stream, request, &mut buf)?;
+                    exchange(stream, REQUEST, &mut buf)?;
                 }
                 Ok(())
             };
@@ -116,58 +316,27 @@ pub(super) fn drive(
             start.wait();
             warm?;
             let stream = stream.as_mut().map_err(|e| anyhow::anyhow!("{e}"))?;
-            let mut tally = Tally {
-                latencies_us: Vec::with_capacity(measured),
-                ..Tally::default()
-            };
+            let mut tally = Tally::with_capacity(measured);
             for _ in 0..measured {
                 let sent = Instant::now();
-                let (status, _) = exchange(stream, request, &mut buf)?;
-                let us = sent.elapsed().as_micros();
-                tally
-                    .latencies_us
-                    .push(u32::try_from(us).unwrap_or(u32::MAX));
-                match status {
-                    200 => tally.ok += 1,
-                    429 => tally.limited += 1,
-                    _ => tally.other += 1,
-                }
+                let (status, _) = exchange(stream, REQUEST, &mut buf)?;
+                tally.record(sent, status);
             }
             Ok(tally)
         }));
     }
     warmed.wait();
-    let cpu = || {
-        pids.iter().map(|&p| {
-            process_times(p).unwrap_or(CpuTimes {
-                user: f64::NAN,
-                system: f64::NAN,
-            })
-        })
-    };
-    let before: Vec<CpuTimes> = cpu().collect();
+    let before = cpu();
     let started = Instant::now();
     start.wait();
     let mut all = Tally::default();
     for t in threads {
-        let tally = t
-            .join()
-            .map_err(|_| anyhow::anyhow!("a connection panicked"))??;
-        all.latencies_us.extend(tally.latencies_us);
-        all.ok += tally.ok;
-        all.limited += tally.limited;
-        all.other += tally.other;
+        all.add(
+            t.join()
+                .map_err(|_| anyhow::anyhow!("a connection panicked"))??,
+        );
     }
-    let seconds = started.elapsed().as_secs_f64();
-    let used = cpu()
-        .zip(before)
-        .map(|(after, b)| CpuTimes {
-            user: after.user - b.user,
-            system: after.system - b.system,
-        })
-        .collect();
-    all.latencies_us.sort_unstable();
-    Ok((seconds, used, all))
+    Ok((before, started, all))
 }
 
 /// Decisions in the instance's `/metrics` that Redis did not make (the
@@ -188,4 +357,28 @@ pub(super) fn fallback_decisions(port: u16) -> anyhow::Result<f64> {
         .filter(|l| l.starts_with("ratelimit_decisions_total{") && !l.contains("source=\"redis\""))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::answer;
+
+    const HEAD: &[u8] =
+        b"HTTP/1.1 429 Too Many Requests\r\ncontent-length: 5\r\nretry-after: 1\r\n\r\n";
+
+    #[test]
+    fn an_answer_is_taken_only_once_all_of_it_is_there() {
+        let whole = [HEAD, b"hello"].concat();
+        for cut in 0..whole.len() {
+            assert_eq!(answer(&whole[..cut]).unwrap(), None, "cut at {cut}");
+        }
+        let body = HEAD.len()..whole.len();
+        assert_eq!(answer(&whole).unwrap(), Some((429, body)));
+    }
+
+    #[test]
+    fn what_is_not_an_answer_with_a_length_is_an_error() {
+        assert!(answer(b"SSH-2.0-OpenSSH\r\n\r\n").is_err());
+        assert!(answer(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n").is_err());
+    }
 }

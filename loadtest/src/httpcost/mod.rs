@@ -34,7 +34,14 @@
 //!
 //! A run: `--connections` closed-loop HTTP/1.1 keep-alive connections,
 //! each sending its next request as soon as the last is answered;
-//! `--warmup` requests, then `--requests` measured. Server CPU is the
+//! `--warmup` requests, then `--requests` measured. By default one thread
+//! drives them all and never sleeps (`--client spin`): over loopback the
+//! sender runs the receiver's side of TCP, so a server answering a client
+//! asleep in `read` pays for waking it, and the slower the server, the
+//! more often the client sleeps. With a thread asleep per connection
+//! (`--client threads`, as wrk and the harness before) that wake-up was a
+//! quarter of every server's CPU here, and more of the lua route's
+//! (docs/load/http-cost/summary.md). Server CPU is the
 //! utime + stime delta of the server process (and of redis-server) in
 //! `/proc/<pid>/stat` over the measured requests, divided by them:
 //! microseconds of CPU per request, reported whole and in user space
@@ -56,6 +63,7 @@ mod drive;
 mod report;
 
 use anyhow::{Context, ensure};
+pub use drive::Client;
 use drive::{drive, fallback_decisions, pin_this_process};
 use report::tables;
 use std::path::PathBuf;
@@ -90,6 +98,11 @@ pub struct HttpCostArgs {
     /// The CPU the load generator is pinned to
     #[arg(long, default_value_t = 1)]
     pub client_cpu: usize,
+    /// How the load generator waits for answers: spin (never asleep, so
+    /// an answer wakes nothing) or threads (one per connection, asleep in
+    /// read)
+    #[arg(long, value_enum, default_value_t = Client::Spin)]
+    pub client: Client,
     /// Our server, the `ratelimiter` binary [default: beside this executable]
     #[arg(long)]
     pub server: Option<PathBuf>,
@@ -358,7 +371,7 @@ fn run_blocking(args: &HttpCostArgs) -> anyhow::Result<()> {
     let command: Vec<String> = std::env::args().skip(1).collect();
     let text = format!(
         "Command: `loadtest {}`\n\n{} requests per run after {} of warm-up, {} connections, \
-         {} rounds; servers on CPU {}, the load generator on CPU {}. \
+         {} rounds; servers on CPU {}, the load generator on CPU {} ({}). \
          min / median / max over the rounds; the ratios are server CPU (Redis's included) \
          per request within one round.\n\n{}\n\n{}\n",
         command.join(" "),
@@ -368,6 +381,10 @@ fn run_blocking(args: &HttpCostArgs) -> anyhow::Result<()> {
         args.repeats,
         args.server_cpu,
         args.client_cpu,
+        match args.client {
+            Client::Spin => "one thread, never asleep",
+            Client::Threads => "a thread per connection, asleep in read",
+        },
         summary.markdown(),
         goals.join("\n"),
     );
