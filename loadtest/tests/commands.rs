@@ -571,7 +571,8 @@ fn http_cost_writes_its_tables() {
     let dir = std::env::temp_dir().join(format!("loadtest-http-cost-{}", std::process::id()));
     let out = Command::new(BIN)
         .args(["http-cost", "--requests", "3000", "--warmup", "300"])
-        .args(["--repeats", "2", "--connections", "4", "--out"])
+        // 7 connections: uneven shares of the requests and the warm-up.
+        .args(["--repeats", "2", "--connections", "7", "--out"])
         .arg(&dir)
         .output()
         .unwrap();

@@ -1,7 +1,8 @@
 //! The load generator of `http-cost`: closed-loop HTTP/1.1 keep-alive
-//! connections, each a thread with a minimal client of its own (no HTTP
-//! library between the socket and the measurement), and the servers' CPU
-//! read from `/proc` around the measured requests.
+//! connections with a minimal client of their own (no HTTP library
+//! between the socket and the measurement), driven by one thread that
+//! never sleeps or by a thread each asleep in `read` ([`Client`]), and
+//! the servers' CPU read from `/proc` around the measured requests.
 
 use super::HttpCostArgs;
 use crate::capacity::{CpuTimes, process_times};
@@ -119,7 +120,7 @@ pub enum Client {
     /// the server's write wakes it, and over loopback the server pays for
     /// that wake-up (on a VM, often an interrupt to an idle CPU), more the
     /// more often the load generator is idle, that is the slower the
-    /// server (docs/load/http-cost/summary.md).
+    /// server (docs/redis.md, "The load generator's wake-up").
     Threads,
 }
 
@@ -235,6 +236,7 @@ fn spin(
                     tally.record(conn.sent, status);
                 }
                 conn.buf.clear();
+                ensure!(conn.left > 0, "an answer nobody asked for");
                 conn.left -= 1;
                 if conn.left == 0 {
                     active -= 1;
@@ -361,7 +363,10 @@ pub(super) fn fallback_decisions(port: u16) -> anyhow::Result<f64> {
 
 #[cfg(test)]
 mod tests {
-    use super::answer;
+    use super::{Conn, answer, read_answer};
+    use std::io::Write;
+    use std::net::{TcpListener, TcpStream};
+    use std::time::{Duration, Instant};
 
     const HEAD: &[u8] =
         b"HTTP/1.1 429 Too Many Requests\r\ncontent-length: 5\r\nretry-after: 1\r\n\r\n";
@@ -380,5 +385,77 @@ mod tests {
     fn what_is_not_an_answer_with_a_length_is_an_error() {
         assert!(answer(b"SSH-2.0-OpenSSH\r\n\r\n").is_err());
         assert!(answer(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n").is_err());
+    }
+
+    /// Reads `conn` until `done` says so, each read's result checked by it;
+    /// bounded, so a test that waits for bytes that never come fails.
+    fn read_until(
+        conn: &mut Conn,
+        mut done: impl FnMut(&Conn, Option<(u16, std::ops::Range<usize>)>) -> bool,
+    ) {
+        let start = Instant::now();
+        loop {
+            let got = read_answer(conn).unwrap();
+            if done(conn, got) {
+                return;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "the bytes never came"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn the_spinning_client_puts_an_answer_split_across_reads_together() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let stream = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        stream.set_nonblocking(true).unwrap();
+        let (mut server, _) = listener.accept().unwrap();
+        let mut conn = Conn {
+            stream,
+            buf: Vec::new(),
+            sent: Instant::now(),
+            left: 1,
+        };
+        assert_eq!(read_answer(&mut conn).unwrap(), None, "nothing sent yet");
+        assert!(
+            conn.buf.is_empty(),
+            "a read that found nothing keeps nothing"
+        );
+        server.write_all(&HEAD[..20]).unwrap();
+        read_until(&mut conn, |c, got| {
+            assert_eq!(got, None, "part of the head");
+            c.buf.len() == 20
+        });
+        server.write_all(&HEAD[20..]).unwrap();
+        server.write_all(b"hel").unwrap();
+        read_until(&mut conn, |c, got| {
+            assert_eq!(got, None, "the head and part of the body");
+            c.buf.len() == HEAD.len() + 3
+        });
+        server.write_all(b"lo").unwrap();
+        let body = HEAD.len()..HEAD.len() + 5;
+        read_until(&mut conn, |_, got| {
+            got.is_some_and(|a| {
+                assert_eq!(a, (429, body.clone()));
+                true
+            })
+        });
+        drop(server);
+        conn.buf.clear();
+        let start = Instant::now();
+        let closed = loop {
+            match read_answer(&mut conn) {
+                Err(e) => break e.to_string(),
+                Ok(got) => assert_eq!(got, None),
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "the close never came"
+            );
+        };
+        assert!(closed.contains("closed the connection"), "{closed}");
     }
 }

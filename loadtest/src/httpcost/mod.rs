@@ -39,9 +39,10 @@
 //! sender runs the receiver's side of TCP, so a server answering a client
 //! asleep in `read` pays for waking it, and the slower the server, the
 //! more often the client sleeps. With a thread asleep per connection
-//! (`--client threads`, as wrk and the harness before) that wake-up was a
-//! quarter of every server's CPU here, and more of the lua route's
-//! (docs/load/http-cost/summary.md). Server CPU is the
+//! (`--client threads`, the harness before; wrk's threads sleep in
+//! `epoll_wait`, woken the same way) that wake-up was about a quarter of
+//! every server's CPU here, and more microseconds a request of the lua
+//! route's (docs/redis.md, "The load generator's wake-up"). Server CPU is the
 //! utime + stime delta of the server process (and of redis-server) in
 //! `/proc/<pid>/stat` over the measured requests, divided by them:
 //! microseconds of CPU per request, reported whole and in user space
