@@ -561,18 +561,15 @@ fn servers_built() {
     assert!(status.success(), "cannot build the servers");
 }
 
-/// A short http-cost run: every variant measured, the tables written, the
-/// figures sane (CPU per request above zero and below a millisecond, each
-/// answer as the variant promises, the ratios within the same round).
-#[test]
-fn http_cost_writes_its_tables() {
-    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+/// Runs `loadtest http-cost` with `args` and `--out` a fresh folder named
+/// by `tag`: the folder and its table.md.
+fn http_cost(tag: &str, args: &[&str]) -> (std::path::PathBuf, String) {
     servers_built();
-    let dir = std::env::temp_dir().join(format!("loadtest-http-cost-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("loadtest-{tag}-{}", std::process::id()));
     let out = Command::new(BIN)
-        .args(["http-cost", "--requests", "3000", "--warmup", "300"])
-        // 7 connections: uneven shares of the requests and the warm-up.
-        .args(["--repeats", "2", "--connections", "7", "--out"])
+        .arg("http-cost")
+        .args(args)
+        .arg("--out")
         .arg(&dir)
         .output()
         .unwrap();
@@ -582,14 +579,42 @@ fn http_cost_writes_its_tables() {
         String::from_utf8_lossy(&out.stderr)
     );
     let table = std::fs::read_to_string(dir.join("table.md")).unwrap();
+    (dir, table)
+}
+
+/// `variant`'s row of an http-cost table.
+fn variant_row<'a>(table: &'a str, variant: &str) -> &'a str {
+    table
+        .lines()
+        .find(|l| l.starts_with(&format!("| {variant} |")))
+        .unwrap_or_else(|| panic!("no {variant} row in:\n{table}"))
+}
+
+/// A short http-cost run: every variant measured, the tables written, the
+/// figures sane (CPU per request above zero and below a millisecond, each
+/// answer as the variant promises, the ratios within the same round).
+#[test]
+fn http_cost_writes_its_tables() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // 7 connections: uneven shares of the requests and the warm-up.
+    let (dir, table) = http_cost(
+        "http-cost",
+        &[
+            "--requests",
+            "3000",
+            "--warmup",
+            "300",
+            "--repeats",
+            "2",
+            "--connections",
+            "7",
+        ],
+    );
     println!("{table}");
     assert!(table.contains("Command: `loadtest http-cost --requests 3000"));
     assert!(table.contains("the load generator on CPU 1 (one thread, never asleep)"));
     for variant in ["unlimited", "memory", "lua", "denied", "governor", "plain"] {
-        let cells: Vec<&str> = table
-            .lines()
-            .find(|l| l.starts_with(&format!("| {variant} |")))
-            .unwrap_or_else(|| panic!("no {variant} row in:\n{table}"))
+        let cells: Vec<&str> = variant_row(&table, variant)
             .split('|')
             .map(str::trim)
             .collect();
@@ -639,33 +664,26 @@ fn http_cost_writes_its_tables() {
 #[test]
 fn http_cost_drives_with_sleeping_threads_too() {
     let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    servers_built();
-    let dir = std::env::temp_dir().join(format!("loadtest-http-threads-{}", std::process::id()));
-    let out = Command::new(BIN)
-        .args([
-            "http-cost",
+    let (dir, table) = http_cost(
+        "http-threads",
+        &[
             "--client",
             "threads",
             "--variants",
             "denied,plain",
-        ])
-        .args(["--requests", "2000", "--warmup", "200", "--repeats", "1"])
-        .args(["--connections", "3", "--out"])
-        .arg(&dir)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+            "--requests",
+            "2000",
+            "--warmup",
+            "200",
+            "--repeats",
+            "1",
+            "--connections",
+            "3",
+        ],
     );
-    let table = std::fs::read_to_string(dir.join("table.md")).unwrap();
     assert!(table.contains("(a thread per connection, asleep in read)"));
     for (variant, answers) in [("denied", "2000 x 429"), ("plain", "2000 x 200")] {
-        let row = table
-            .lines()
-            .find(|l| l.starts_with(&format!("| {variant} |")))
-            .unwrap_or_else(|| panic!("no {variant} row in:\n{table}"));
+        let row = variant_row(&table, variant);
         assert!(row.ends_with(&format!("| {answers} |")), "{row}");
     }
     std::fs::remove_dir_all(dir).unwrap();

@@ -7,6 +7,7 @@
 use super::HttpCostArgs;
 use crate::capacity::{CpuTimes, process_times};
 use anyhow::{Context, ensure};
+use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::{Arc, Barrier};
@@ -38,13 +39,31 @@ fn exchange(
     stream.write_all(request)?;
     buf.clear();
     loop {
-        let len = buf.len();
-        buf.resize(len + 16 * 1024, 0);
-        let n = stream.read(&mut buf[len..])?;
-        buf.truncate(len + n);
-        ensure!(n > 0, "the server closed the connection");
+        read_more(stream, buf)?;
         if let Some(answer) = answer(buf)? {
             return Ok(answer);
+        }
+    }
+}
+
+/// Reads what `stream` has onto the end of `buf`: `false` when a
+/// non-blocking stream has nothing yet (and `buf` is as it was).
+fn read_more(stream: &mut TcpStream, buf: &mut Vec<u8>) -> anyhow::Result<bool> {
+    let len = buf.len();
+    buf.resize(len + 16 * 1024, 0);
+    match stream.read(&mut buf[len..]) {
+        Ok(n) => {
+            buf.truncate(len + n);
+            ensure!(n > 0, "the server closed the connection");
+            Ok(true)
+        }
+        Err(e) => {
+            buf.truncate(len);
+            if e.kind() == std::io::ErrorKind::WouldBlock {
+                Ok(false)
+            } else {
+                Err(e.into())
+            }
         }
     }
 }
@@ -187,10 +206,9 @@ fn spin(
     shares: Vec<(usize, usize)>,
     cpu: impl Fn() -> Vec<CpuTimes>,
 ) -> anyhow::Result<(Vec<CpuTimes>, Instant, Tally)> {
-    use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
     let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)?;
     let mut conns = Vec::with_capacity(shares.len());
-    for (i, _) in shares.iter().enumerate() {
+    for i in 0..shares.len() {
         let stream = TcpStream::connect(("127.0.0.1", port))?;
         stream.set_nodelay(true)?;
         stream.set_nonblocking(true)?;
@@ -202,58 +220,68 @@ fn spin(
             left: 0,
         });
     }
+    phase(&epoll, &mut conns, shares.iter().map(|s| s.0), None)?;
+    let mut tally = Tally::with_capacity(shares.iter().map(|s| s.1).sum());
+    let before = cpu();
+    let started = Instant::now();
+    phase(
+        &epoll,
+        &mut conns,
+        shares.iter().map(|s| s.1),
+        Some(&mut tally),
+    )?;
+    Ok((before, started, tally))
+}
+
+/// One phase of the spinning client: each connection sends its share,
+/// one request at a time, the answers counted in `tally` if there is one.
+fn phase(
+    epoll: &Epoll,
+    conns: &mut [Conn],
+    shares: impl Iterator<Item = usize>,
+    mut tally: Option<&mut Tally>,
+) -> anyhow::Result<()> {
+    let mut active = 0;
+    for (conn, share) in conns.iter_mut().zip(shares) {
+        conn.left = share;
+        if share > 0 {
+            active += 1;
+            conn.sent = Instant::now();
+            send(&mut conn.stream)?;
+        }
+    }
     let mut events = vec![EpollEvent::empty(); conns.len()];
-    // One phase: each connection sends its share, one request at a time.
-    let mut phase = |shares: &mut dyn Iterator<Item = usize>,
-                     tally: &mut Option<&mut Tally>|
-     -> anyhow::Result<()> {
-        let mut active = 0;
-        for (conn, share) in conns.iter_mut().zip(shares) {
-            conn.left = share;
-            if share > 0 {
-                active += 1;
+    let mut last_answer = Instant::now();
+    while active > 0 {
+        let ready = epoll.wait(&mut events, EpollTimeout::ZERO)?;
+        if ready == 0 {
+            ensure!(
+                last_answer.elapsed() < STALL,
+                "no answer from the server in {STALL:?}"
+            );
+            continue;
+        }
+        for event in &events[..ready] {
+            let conn = &mut conns[event.data() as usize];
+            let Some((status, _)) = read_answer(conn)? else {
+                continue;
+            };
+            last_answer = Instant::now();
+            if let Some(tally) = tally.as_deref_mut() {
+                tally.record(conn.sent, status);
+            }
+            conn.buf.clear();
+            ensure!(conn.left > 0, "an answer nobody asked for");
+            conn.left -= 1;
+            if conn.left == 0 {
+                active -= 1;
+            } else {
                 conn.sent = Instant::now();
                 send(&mut conn.stream)?;
             }
         }
-        let mut last_answer = Instant::now();
-        while active > 0 {
-            let ready = epoll.wait(&mut events, EpollTimeout::ZERO)?;
-            if ready == 0 {
-                ensure!(
-                    last_answer.elapsed() < STALL,
-                    "no answer from the server in {STALL:?}"
-                );
-                continue;
-            }
-            for event in &events[..ready] {
-                let conn = &mut conns[event.data() as usize];
-                let Some((status, _)) = read_answer(conn)? else {
-                    continue;
-                };
-                last_answer = Instant::now();
-                if let Some(tally) = tally {
-                    tally.record(conn.sent, status);
-                }
-                conn.buf.clear();
-                ensure!(conn.left > 0, "an answer nobody asked for");
-                conn.left -= 1;
-                if conn.left == 0 {
-                    active -= 1;
-                } else {
-                    conn.sent = Instant::now();
-                    send(&mut conn.stream)?;
-                }
-            }
-        }
-        Ok(())
-    };
-    phase(&mut shares.iter().map(|s| s.0), &mut None)?;
-    let mut tally = Tally::with_capacity(shares.iter().map(|s| s.1).sum());
-    let before = cpu();
-    let started = Instant::now();
-    phase(&mut shares.iter().map(|s| s.1), &mut Some(&mut tally))?;
-    Ok((before, started, tally))
+    }
+    Ok(())
 }
 
 /// Sends the request on a non-blocking connection with nothing else in
@@ -266,24 +294,12 @@ fn send(stream: &mut TcpStream) -> anyhow::Result<()> {
 
 /// Reads what `conn`'s socket has; its answer once all of it is there.
 fn read_answer(conn: &mut Conn) -> anyhow::Result<Option<(u16, std::ops::Range<usize>)>> {
-    loop {
-        let len = conn.buf.len();
-        conn.buf.resize(len + 16 * 1024, 0);
-        match conn.stream.read(&mut conn.buf[len..]) {
-            Ok(n) => {
-                conn.buf.truncate(len + n);
-                ensure!(n > 0, "the server closed the connection");
-                if let Some(answer) = answer(&conn.buf)? {
-                    return Ok(Some(answer));
-                }
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                conn.buf.truncate(len);
-                return Ok(None);
-            }
-            Err(e) => return Err(e.into()),
+    while read_more(&mut conn.stream, &mut conn.buf)? {
+        if let Some(answer) = answer(&conn.buf)? {
+            return Ok(Some(answer));
         }
     }
+    Ok(None)
 }
 
 /// [`Client::Threads`]: a thread per connection, each its warm-up share,

@@ -13,7 +13,9 @@ use super::{
 };
 use crate::algorithm::{Algorithm, Decision};
 use crate::key::BucketKey;
-use crate::store::{BoxFuture, Check, CheckFuture, Checked, Source, Store, StoreError};
+use crate::store::{
+    BoxFuture, Check, CheckFuture, CheckResult, Checked, Source, Store, StoreError,
+};
 use redis::{Cmd, ErrorKind, RedisError, RedisWrite, Script, ServerErrorKind, Value};
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -263,21 +265,29 @@ async fn evalsha(
     }
 }
 
-impl Store for LuaStore {
-    fn check(&self, check: Check) -> CheckFuture<'_> {
-        CheckFuture::waiting(async move {
+impl LuaStore {
+    /// A check's answer, for [`Store::check`] and [`Store::check_owned`].
+    #[allow(
+        clippy::manual_async_fn,
+        reason = "an async fn would hold `check` twice (see src/middleware/front.rs)"
+    )]
+    fn checked(&self, check: Check) -> impl Future<Output = CheckResult> + Send + '_ {
+        async move {
             let decision = self.decide(&check).await?;
             Ok(Checked::decided(decision, check.limit, Source::Redis))
-        })
+        }
+    }
+}
+
+impl Store for LuaStore {
+    fn check(&self, check: Check) -> CheckFuture<'_> {
+        CheckFuture::waiting(self.checked(check))
     }
 
     /// The same future owning the store: under the deadline, one box a
     /// check instead of two.
     fn check_owned(self: Arc<Self>, check: Check) -> CheckFuture<'static> {
-        CheckFuture::waiting(async move {
-            let decision = self.decide(&check).await?;
-            Ok(Checked::decided(decision, check.limit, Source::Redis))
-        })
+        CheckFuture::waiting(async move { self.checked(check).await })
     }
 
     fn backend(&self) -> &'static str {
