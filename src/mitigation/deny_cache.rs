@@ -14,10 +14,14 @@
 //!   may already be there.
 //!
 //! `src/mitigation/tests.rs` checks both against the exact cores, for every
-//! algorithm, one instance and several. Not remembered: denials made under
-//! a hand-back ceiling ([`Checked::bounded`], stricter than the shared
-//! bucket for a while), and anything but the backend store's own answers
-//! (a local share's denial is not a fact about the shared bucket).
+//! algorithm, one instance and several. Not remembered: anything but the
+//! backend store's own answers (a local share's denial is not a fact about
+//! the shared bucket). A denial under a hand-back ceiling
+//! ([`Checked::bounded`]) is remembered like any other: the ceiling refills
+//! at the policy's rate, as the shared bucket does, so the denial holds as
+//! long as it says. It must be: a node so busy that checks miss their
+//! deadline puts every answer after it under a ceiling, and that node is
+//! the one a hot key's denials should stop reaching.
 //!
 //! The answer's `RateLimit` fields come from the remembered denial:
 //! `Retry-After` and the reset shrink with time exactly; the remaining
@@ -91,7 +95,7 @@ impl<S> DenyCache<S> {
             return;
         };
         let from_store = matches!(checked.source, Source::Redis | Source::Memory);
-        if !from_store || checked.bounded || checked.limit != check.limit {
+        if !from_store || checked.limit != check.limit {
             return;
         }
         let mut shard = self.denials.shard(check.key);

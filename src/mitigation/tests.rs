@@ -134,6 +134,130 @@ proptest! {
     }
 }
 
+/// Fails its first `failing` calls as a Redis that missed the deadline,
+/// then answers from a memory store.
+#[derive(Debug)]
+struct FailFirst {
+    inner: MemoryStore,
+    failing: std::sync::atomic::AtomicU64,
+}
+
+impl FailFirst {
+    fn new(failing: u64) -> Self {
+        Self {
+            inner: MemoryStore::new(64, 1),
+            failing: failing.into(),
+        }
+    }
+}
+
+impl Store for FailFirst {
+    fn check(&self, check: Check) -> crate::store::CheckFuture<'_> {
+        use std::sync::atomic::Ordering;
+        let failed = self
+            .failing
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+            .is_ok();
+        if failed {
+            return crate::store::CheckFuture::ready(Err(crate::store::StoreError::Deadline(
+                crate::store::Late::unknown(),
+            )));
+        }
+        self.inner.check(check)
+    }
+    fn backend(&self) -> &'static str {
+        "fail-first"
+    }
+}
+
+/// The failure policy over a store that fails its first `failing` calls:
+/// the local share decides those, and the store's answers then carry the
+/// hand-back ceiling. The breaker never opens (it would depend on time).
+fn failover(failing: u64, instances: u64) -> crate::failover::Failover<FailFirst> {
+    use crate::failover::{Failover, FailoverSettings, LocalShare};
+    use crate::store::FailureMode;
+    let settings = FailoverSettings {
+        mode: FailureMode::Local,
+        deadline: Duration::from_millis(10),
+        instances,
+        breaker_failures: u32::MAX,
+        breaker_cooldown: Duration::from_secs(1),
+    };
+    Failover::new(
+        FailFirst::new(failing),
+        &settings,
+        LocalShare::new(instances, 64, 1),
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// After a fallback the store's answers are bounded by the hand-back
+    /// ceiling, a level that refills at the policy's rate as the shared
+    /// bucket does: a denial under it holds as long as it says, so the
+    /// cache keeps it, and an instance with the cache decides as the one
+    /// without. Up to one thing: the ceiling is set a microsecond of refill
+    /// above each answer it mirrors (so that it cannot bind by rounding),
+    /// and the instance without the cache mirrors every denial, so its
+    /// ceiling creeps ahead by that much per denial and may admit as much
+    /// earlier. The cache never admits earlier than the store.
+    #[test]
+    fn denials_under_a_hand_back_ceiling_are_kept_and_decide_as_the_store(
+        burst in 1u64..=30,
+        rate in 1u64..=10,
+        failing in 1u64..=20,
+        instances in 1u64..=3,
+        requests in requests(1, 1),
+    ) {
+        let limit = Limit::per_second(burst, rate).unwrap();
+        let rt = runtime();
+        let with = DenyCache::new(failover(failing, instances), 16);
+        let without = failover(failing, instances);
+        let mut now = T0;
+        for (n, (_, dt, _)) in requests.into_iter().enumerate() {
+            now += dt;
+            let check = Check::new(BucketKey(7), limit, 1, now).with_deny_cache(true);
+            let w = rt.block_on(with.check(check)).unwrap();
+            let wo = rt.block_on(without.check(check)).unwrap();
+            let (dw, dwo) = (w.decision.unwrap(), wo.decision.unwrap());
+            // At most a microsecond of refill for every answer so far.
+            let creep = Duration::from_micros(n as u64 + 1);
+            prop_assert!(!dw.allowed || dwo.allowed, "request {}: over-admitted {:?} vs {:?}", n, w, wo);
+            if dw.allowed == dwo.allowed {
+                if w.source == Source::DenyCache {
+                    prop_assert!(dw.retry_after >= dwo.retry_after, "request {}: {:?} vs {:?}", n, w, wo);
+                    prop_assert!(dw.retry_after <= dwo.retry_after + creep, "request {}: {:?} vs {:?}", n, w, wo);
+                }
+            } else {
+                prop_assert_eq!(w.source, Source::DenyCache, "request {}: {:?} vs {:?}", n, w, wo);
+                prop_assert!(dw.retry_after <= creep, "request {}: refused {:?} early", n, dw.retry_after);
+            }
+        }
+    }
+}
+
+/// The incident's case: a node so busy that checks missed the deadline
+/// and fell back, after which every answer carries the hand-back ceiling.
+/// The cache still takes the surge off the store.
+#[test]
+fn after_a_fallback_a_surge_is_still_answered_from_the_cache() {
+    let rt = runtime();
+    let cache = DenyCache::new(failover(3, 3), 16);
+    let limit = Limit::per_second(5, 1).unwrap();
+    let mut sources = std::collections::BTreeMap::new();
+    for i in 0..1000u64 {
+        let check = Check::new(BucketKey(1), limit, 1, T0 + i * 1_000).with_deny_cache(true);
+        let c = rt.block_on(cache.check(check)).unwrap();
+        *sources.entry(format!("{:?}", c.source)).or_insert(0) += 1;
+    }
+    assert_eq!(sources.get("Local"), Some(&3), "{sources:?}");
+    assert!(
+        sources.get("DenyCache").copied().unwrap_or(0) > 900,
+        "{sources:?}"
+    );
+}
+
 #[test]
 fn a_surge_is_answered_from_the_cache_and_the_store_is_spared() {
     let rt = runtime();
@@ -172,18 +296,27 @@ fn only_the_policies_that_ask_and_only_the_stores_own_denials() {
         assert_eq!(c.source, Source::Memory);
     }
     assert!(cache.is_empty(), "nothing learned for a policy without it");
-    // A denial under a hand-back ceiling is not remembered.
+    // A local share's denial is not remembered (it says nothing of the
+    // shared bucket); a denial under a hand-back ceiling is (see
+    // `denials_under_a_hand_back_ceiling_are_kept_and_decide_as_the_store`).
+    let local = Checked {
+        source: Source::Local,
+        ..rt.block_on(cache.check(at(T0 + 3))).unwrap()
+    };
+    assert!(!local.decision.unwrap().allowed);
+    cache.learn(&at(T0 + 3).with_deny_cache(true), &local);
+    assert!(cache.is_empty());
     let bounded = Checked {
         bounded: true,
         ..rt.block_on(cache.check(at(T0 + 3))).unwrap()
     };
     cache.learn(&at(T0 + 3).with_deny_cache(true), &bounded);
-    assert!(cache.is_empty());
+    assert_eq!(cache.len(), 1);
     // A cheaper request is passed down; a different limit too.
     let c = rt
         .block_on(cache.check(at(T0 + 4).with_deny_cache(true)))
         .unwrap();
-    assert_eq!(c.source, Source::Memory);
+    assert_eq!(c.source, Source::DenyCache);
     assert_eq!(cache.len(), 1);
     let c = rt
         .block_on(cache.check(at(T0 + 5).with_deny_cache(true)))
