@@ -29,6 +29,7 @@ use axum::extract::{DefaultBodyLimit, Path, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use http::Method;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -340,16 +341,17 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
 /// healthy instance out of its balancer), with [`Front`] in front.
 pub fn app(state: AppState) -> Front {
     let routes = RouteTable::default()
-        .limited("/api/items", get(list_items))
-        .limited("/api/items/{id}", get(get_item))
+        .limited("/api/items", &[Method::GET], get(list_items))
+        .limited("/api/items/{id}", &[Method::GET], get(get_item))
         // The one route that reads a body: streamed (chunked) bodies are
         // cut at the limit as they are read. Declared lengths are refused
         // before the limiter, by `Front`.
         .limited(
             "/api/orders",
+            &[Method::POST],
             post(create_order).layer(DefaultBodyLimit::max(state.http.body_limit)),
         )
-        .limited("/api/status", get(status))
+        .limited("/api/status", &[Method::GET], get(status))
         .unlimited("/healthz", get(healthz))
         .unlimited("/readyz", get(readyz))
         .unlimited("/metrics", get(metrics));

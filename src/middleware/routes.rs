@@ -18,15 +18,18 @@
 //! belongs on a route's [`MethodRouter`] (as the body limit on
 //! `/api/orders` is), never on the whole router.
 
-use crate::telemetry::http::Durations;
+use crate::telemetry::http::{Durations, MethodLabel};
 use axum::Router;
 use axum::body::Body;
 use axum::routing::MethodRouter;
 use axum::routing::future::RouteFuture;
-use http::Request;
+use http::{Method, Request};
 use std::convert::Infallible;
 use std::sync::{Mutex, PoisonError};
 use tower::Service as _;
+
+/// The limiter's own refusals: throttled, and unavailable (fail-closed).
+const REFUSALS: [u16; 2] = [429, 503];
 
 /// One route: its template, and whether the limiter decides its requests.
 #[derive(Debug)]
@@ -107,9 +110,27 @@ impl<S> RouteTable<S>
 where
     S: Clone + Send + Sync + 'static,
 {
-    /// A route the limiter decides.
-    pub fn limited(self, template: &'static str, handler: MethodRouter<S>) -> Self {
-        self.add(template, handler, true)
+    /// A route the limiter decides, for clients calling it with `methods`.
+    /// Their series of the limiter's refusals (429, and 503 when a policy
+    /// fails closed) are counted from zero at start: a series born with
+    /// its first sample hides it from `rate` and `increase`, so the first
+    /// burst of refusals after a start would never show on a panel or an
+    /// alert.
+    pub fn limited(
+        self,
+        template: &'static str,
+        methods: &[Method],
+        handler: MethodRouter<S>,
+    ) -> Self {
+        let table = self.add(template, handler, true);
+        if let Some(route) = table.routes.routes.last() {
+            for method in methods {
+                route
+                    .durations
+                    .count_from_zero(MethodLabel::of(method), &REFUSALS);
+            }
+        }
+        table
     }
 
     /// A route the limiter never sees.
@@ -166,10 +187,10 @@ mod tests {
     fn table() -> (Router, Routes) {
         let echo = || get(|path: MatchedPath| async move { path.as_str().to_owned() });
         let (router, routes) = RouteTable::<()>::default()
-            .limited("/api/items", echo())
-            .limited("/api/items/{id}", echo())
-            .limited("/api/orders", echo())
-            .limited("/api/status", echo())
+            .limited("/api/items", &[Method::GET], echo())
+            .limited("/api/items/{id}", &[Method::GET], echo())
+            .limited("/api/orders", &[Method::GET], echo())
+            .limited("/api/status", &[Method::GET], echo())
             .unlimited("/healthz", echo())
             .finish(());
         (router, routes)
@@ -261,14 +282,17 @@ mod tests {
         let (router, routes) = RouteTable::<u32>::default()
             .limited(
                 "/items",
+                &[Method::GET],
                 get(|State(n): State<u32>| async move { format!("items {n}") }),
             )
             .limited(
                 "/items/{id}",
+                &[Method::GET],
                 get(|Path(id): Path<u32>| async move { format!("item {id}") }),
             )
             .limited(
                 "/orders",
+                &[Method::POST],
                 post(|body: String| async move { format!("{} bytes", body.len()) })
                     .layer(DefaultBodyLimit::max(8)),
             )

@@ -105,16 +105,36 @@ impl Durations {
         }
     }
 
+    /// Registers the series of `method` and each of `statuses`, empty, so
+    /// that they are scraped at zero before their first response.
+    pub fn count_from_zero(&self, method: MethodLabel, statuses: &[u16]) {
+        for &status in statuses {
+            let register = || self.register(method, status);
+            match usual_index(status) {
+                Some(i) => {
+                    self.usual[usize::from(method.0)][i].get_or_init(register);
+                }
+                None => {
+                    let key = (method.as_str(), status);
+                    // Kept by the handles; nothing to record yet.
+                    let _registered = self.other.get(&key, || key, register);
+                }
+            }
+        }
+    }
+
+    fn register(&self, method: MethodLabel, status: u16) -> Histogram {
+        metrics::histogram!(
+            m::HTTP_SERVER_REQUEST_DURATION_SECONDS,
+            "http_request_method" => method.as_str(),
+            "http_route" => self.route,
+            "http_response_status_code" => status_label(status),
+        )
+    }
+
     /// Records one response's duration.
     pub fn record(&self, method: MethodLabel, status: u16, seconds: f64) {
-        let register = || {
-            metrics::histogram!(
-                m::HTTP_SERVER_REQUEST_DURATION_SECONDS,
-                "http_request_method" => method.as_str(),
-                "http_route" => self.route,
-                "http_response_status_code" => status_label(status),
-            )
-        };
+        let register = || self.register(method, status);
         match usual_index(status) {
             Some(i) => self.usual[usize::from(method.0)][i]
                 .get_or_init(register)
@@ -229,5 +249,38 @@ mod tests {
         assert_eq!(count("POST", "200"), "1");
         assert_eq!(count("GET", "503"), "1");
         assert_eq!(count("GET", "418"), "2");
+    }
+
+    /// Series counted from zero are scraped before their first response,
+    /// so a rate sees that response; recording then goes to the same one.
+    #[test]
+    fn refusals_are_scraped_at_zero_before_the_first() {
+        let recorder = crate::metrics::buckets::Buckets::new(
+            metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder(),
+            crate::metrics::SECONDS_BUCKETS,
+        );
+        let handle = recorder.handle();
+        let durations = metrics::with_local_recorder(&recorder, || {
+            let durations = Durations::new("/api/orders");
+            durations.count_from_zero(MethodLabel::of(&Method::POST), &[429, 503, 418]);
+            durations
+        });
+        let count = |text: &str, status: &str| {
+            let series = format!(
+                "http_server_request_duration_seconds_count{{http_request_method=\"POST\",http_route=\"/api/orders\",http_response_status_code=\"{status}\"}} "
+            );
+            text.lines()
+                .find_map(|l| l.strip_prefix(series.as_str()))
+                .map(str::to_owned)
+        };
+        let before = handle.render();
+        for status in ["429", "503", "418"] {
+            assert_eq!(count(&before, status).as_deref(), Some("0"), "{before}");
+        }
+        assert_eq!(count(&before, "200"), None);
+        metrics::with_local_recorder(&recorder, || {
+            durations.record(MethodLabel::of(&Method::POST), 503, 0.01);
+        });
+        assert_eq!(count(&handle.render(), "503").as_deref(), Some("1"));
     }
 }
