@@ -467,7 +467,7 @@ impl Limiter {
                 return Outcome::BadIdentity(e);
             }
         };
-        let Some(limit) = policy.limit_for(kind) else {
+        let Some(limit) = policy.limit_of(&identity, kind) else {
             return Outcome::Unlimited;
         };
         let key = self.hasher.bucket_key(&policy.name, &identity);

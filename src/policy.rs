@@ -42,6 +42,37 @@ pub struct Policy {
     /// The keys split, by API key id or client address (empty: every key
     /// of the policy).
     pub shard_keys: Vec<String>,
+    /// Keys with a limit of their own on this policy.
+    pub overrides: Vec<Override>,
+}
+
+/// Some keys' own limit on a policy (a partner's contract): the limit
+/// their bucket keeps instead of the policy's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Override {
+    /// API key ids or client addresses (normalized as the limiter keys
+    /// them).
+    pub keys: Vec<String>,
+    pub limit: Limit,
+}
+
+impl Policy {
+    /// Every limit a bucket of this policy may keep: the keyed one, the
+    /// anonymous one, and the overrides'.
+    pub fn limits(&self) -> impl Iterator<Item = Limit> + '_ {
+        [self.limit, self.anonymous]
+            .into_iter()
+            .flatten()
+            .chain(self.overrides.iter().map(|o| o.limit))
+    }
+}
+
+/// Whether `identity` is one of `keys` (API key ids or addresses).
+fn names(keys: &[String], identity: &Identity) -> bool {
+    match identity {
+        Identity::ApiKey(id) => keys.iter().any(|k| k == &**id),
+        Identity::Ip(ip) => keys.iter().any(|k| k.parse() == Ok(*ip)),
+    }
 }
 
 /// A route policy, resolved: shared by every request it applies to.
@@ -66,8 +97,9 @@ pub struct RoutePolicy {
     pub lease: u64,
     shards: u16,
     shard_keys: Vec<String>,
+    overrides: Vec<Override>,
     /// The `RateLimit-Policy` value of each of its limits, made once.
-    policy_fields: [Option<(Limit, HeaderValue)>; 2],
+    policy_fields: Vec<(Limit, HeaderValue)>,
 }
 
 impl RoutePolicy {
@@ -85,8 +117,11 @@ impl RoutePolicy {
             lease: p.lease,
             shards: p.shards,
             shard_keys: p.shard_keys.clone(),
-            policy_fields: [p.limit, p.anonymous]
-                .map(|limit| limit.and_then(|l| Some((l, policy_field(&p.name, &l)?)))),
+            overrides: p.overrides.clone(),
+            policy_fields: p
+                .limits()
+                .filter_map(|l| Some((l, policy_field(&p.name, &l)?)))
+                .collect(),
         }
     }
 
@@ -95,7 +130,6 @@ impl RoutePolicy {
     pub fn policy_field(&self, limit: &Limit) -> Option<&HeaderValue> {
         self.policy_fields
             .iter()
-            .flatten()
             .find(|(own, _)| own == limit)
             .map(|(_, value)| value)
     }
@@ -105,14 +139,11 @@ impl RoutePolicy {
         if self.shards <= 1 {
             return 1;
         }
-        if self.shard_keys.is_empty() {
-            return self.shards;
+        if self.shard_keys.is_empty() || names(&self.shard_keys, identity) {
+            self.shards
+        } else {
+            1
         }
-        let named = match identity {
-            Identity::ApiKey(id) => self.shard_keys.iter().any(|k| k == &**id),
-            Identity::Ip(ip) => self.shard_keys.iter().any(|k| k.parse() == Ok(*ip)),
-        };
-        if named { self.shards } else { 1 }
     }
 
     /// The limit for a client identified as `kind`; `None` if unlimited.
@@ -120,6 +151,18 @@ impl RoutePolicy {
         match kind {
             KeyKind::ApiKey => self.keyed,
             KeyKind::Ip | KeyKind::UnknownApiKey => self.anonymous,
+        }
+    }
+
+    /// The limit of `identity` (identified as `kind`): its override if
+    /// it has one, else the one for its kind; `None` if unlimited.
+    pub fn limit_of(&self, identity: &Identity, kind: KeyKind) -> Option<Limit> {
+        // By identity alone: an unknown API key is keyed by its address,
+        // in the same bucket as that address's anonymous requests, which
+        // must keep one limit.
+        match self.overrides.iter().find(|o| names(&o.keys, identity)) {
+            Some(o) => Some(o.limit),
+            None => self.limit_for(kind),
         }
     }
 
@@ -234,6 +277,48 @@ mod tests {
         let status = p.find("/api/status", &Method::GET).unwrap();
         assert_eq!(status.limit_for(KeyKind::ApiKey), None);
         assert!(status.is_unlimited());
+    }
+
+    /// A named key keeps its override's limit, by identity whatever its
+    /// kind; every other key the policy's.
+    #[test]
+    fn an_override_is_the_named_keys_limit_alone() {
+        let p = policies(
+            r#"
+            [[api_keys]]
+            id = "partner"
+            key = "partner-key"
+            [[api_keys]]
+            id = "other"
+            key = "other-key"
+            [[policies]]
+            name = "api"
+            route = "/api/"
+            burst = 10
+            rate = 1
+            anonymous = { burst = 4, rate = 2 }
+            overrides = [
+                { keys = ["partner"], burst = 500, rate = 250 },
+                { keys = ["192.0.2.7"], burst = 40, rate = 20 },
+            ]
+            "#,
+        );
+        let api = p.find("/api/items", &Method::GET).unwrap();
+        let key = |id: &str| Identity::ApiKey(Arc::from(id));
+        let ip = |a: &str| Identity::Ip(a.parse().unwrap());
+        let burst = |identity: &Identity, kind| api.limit_of(identity, kind).unwrap().burst();
+        assert_eq!(burst(&key("partner"), KeyKind::ApiKey), 500);
+        assert_eq!(burst(&key("other"), KeyKind::ApiKey), 10);
+        assert_eq!(burst(&ip("192.0.2.7"), KeyKind::Ip), 40);
+        // An unknown key from that address shares the address's bucket.
+        assert_eq!(burst(&ip("192.0.2.7"), KeyKind::UnknownApiKey), 40);
+        assert_eq!(burst(&ip("192.0.2.8"), KeyKind::Ip), 4);
+        // Its fields are made once too.
+        let own = api.limit_of(&key("partner"), KeyKind::ApiKey).unwrap();
+        assert_eq!(
+            api.policy_field(&own).unwrap().to_str().unwrap(),
+            "\"api\";q=500;w=2"
+        );
     }
 
     /// Each of a policy's limits has its `RateLimit-Policy` value made

@@ -96,14 +96,17 @@ async fn anonymous_clients_get_the_anonymous_limit_and_keys_their_own() {
     )
     .await;
     assert_eq!(headers["ratelimit-limit"], "100");
-    // key_sha256-configured keys verify too.
+    // key_sha256-configured keys verify too; tenant-b has a limit of its
+    // own on this policy (an override), and its fields say so.
     let (status, headers, _) = send(
         &app,
         request("GET", "/api/items/2", &[("x-api-key", "demo-key-b")], None),
     )
     .await;
     assert_eq!(status, StatusCode::OK);
-    assert_eq!(headers["ratelimit-remaining"], "99");
+    assert_eq!(headers["ratelimit-limit"], "1000");
+    assert_eq!(headers["ratelimit-remaining"], "999");
+    assert_eq!(headers["ratelimit-policy"], "\"api\";q=1000;w=2");
 }
 
 #[tokio::test]

@@ -243,6 +243,24 @@ pub struct PolicyFile {
     /// Only these keys are split: API key ids or client addresses.
     #[serde(default)]
     pub shard_keys: Vec<String>,
+    /// Limits of their own for some keys (a partner's contract).
+    #[serde(default)]
+    pub overrides: Vec<OverrideFile>,
+}
+
+/// `overrides = [{ keys = ["tenant-01"], burst = 5000, rate = 5000 }]`:
+/// these keys' limit on the policy, instead of the policy's.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OverrideFile {
+    /// API key ids or client addresses.
+    pub keys: Vec<String>,
+    /// Tokens.
+    pub burst: u64,
+    /// Tokens refilled per `per`.
+    pub rate: u64,
+    /// The period (default `1s`).
+    pub per: Option<String>,
 }
 
 impl Default for Settings {
@@ -347,6 +365,7 @@ impl Default for Settings {
                 lease: 0,
                 shards: None,
                 shard_keys: Vec::new(),
+                overrides: Vec::new(),
             }],
         }
     }

@@ -1,5 +1,5 @@
 use super::*;
-use crate::algorithm::Limit;
+use crate::algorithm::{Algorithm, Limit};
 use clap::Parser;
 use std::time::Duration;
 
@@ -218,7 +218,6 @@ fn a_policy_picks_its_algorithm_for_both_limits() {
         "#,
     )
     .unwrap();
-    use crate::algorithm::Algorithm;
     let api = &c.policies[0];
     assert_eq!(api.limit.unwrap().algorithm(), Algorithm::SlidingWindow);
     assert_eq!(api.anonymous.unwrap().algorithm(), Algorithm::SlidingWindow);
@@ -419,6 +418,82 @@ fn a_lease_that_could_never_be_held_or_kept_exactly_is_refused() {
             other => panic!("{extra}: {other:?}"),
         }
     }
+}
+
+#[test]
+fn overrides_give_named_keys_a_limit_of_their_own_and_bad_ones_are_refused() {
+    let policy = |extra: &str| {
+        format!(
+            "ipv6_prefix = 48\n[failure]\ninstances = 3\n[[api_keys]]\nid = \"tenant-01\"\nkey = \"demo-key-01\"\n[[api_keys]]\nid = \"tenant-02\"\nkey = \"demo-key-02\"\n[[policies]]\nname = \"api\"\nroute = \"/api/\"\nburst = 30\nrate = 10\nalgorithm = \"gcra\"\ncost = 2\n{extra}\n"
+        )
+    };
+    let config = Config::from_toml(&policy(
+        "[[policies.overrides]]\nkeys = [\"tenant-01\", \"::ffff:10.0.0.1\"]\nburst = 6000\nrate = 3000\n[[policies.overrides]]\nkeys = [\"2001:db8:1:2::9\"]\nburst = 4\nrate = 1\nper = \"2s\"",
+    ))
+    .unwrap();
+    let o = &config.policies[0].overrides;
+    // Addresses as the limiter keys them; the policy's algorithm.
+    assert_eq!(o[0].keys, ["tenant-01", "10.0.0.1"]);
+    assert_eq!(o[1].keys, ["2001:db8:1::"]);
+    assert_eq!(
+        o[0].limit,
+        Limit::new(6000, 3000, Duration::from_secs(1))
+            .unwrap()
+            .with_algorithm(Algorithm::Gcra)
+    );
+    assert_eq!(o[1].limit.burst(), 4);
+    assert_eq!(config.policies[0].limits().count(), 4);
+    for (extra, field, why) in [
+        (
+            "overrides = [{ keys = [\"tenant-9\"], burst = 10, rate = 1 }]",
+            "policies[0].overrides[0].keys[0]",
+            "neither a client address nor a configured api_keys id",
+        ),
+        (
+            "overrides = [{ keys = [], burst = 10, rate = 1 }]",
+            "policies[0].overrides[0].keys",
+            "names no key",
+        ),
+        (
+            "overrides = [{ keys = [\"tenant-01\"], burst = 10, rate = 1 }, { keys = [\"tenant-02\", \"tenant-01\"], burst = 20, rate = 1 }]",
+            "policies[0].overrides[1].keys[1]",
+            "has an override already",
+        ),
+        (
+            "overrides = [{ keys = [\"tenant-01\"], burst = 10, rate = 0 }]",
+            "policies[0].overrides[0].rate",
+            "",
+        ),
+        (
+            "overrides = [{ keys = [\"tenant-01\"], burst = 1, rate = 1 }]",
+            "policies[0].overrides[0].burst",
+            "below the policy's cost 2",
+        ),
+        (
+            "overrides = [{ keys = [\"tenant-01\"], burst = 10, rate = 1, per = \"soon\" }]",
+            "policies[0].overrides[0].per",
+            "",
+        ),
+        // The override's burst is split too: 3 ways of 4 leaves 1, below the cost.
+        (
+            "shards = 3\noverrides = [{ keys = [\"tenant-01\"], burst = 4, rate = 1 }]",
+            "policies[0].shards",
+            "below the cost 2",
+        ),
+    ] {
+        match Config::from_toml(&policy(extra)) {
+            Err(ConfigError::Invalid { field: f, message }) => {
+                assert_eq!(f, field, "{extra}");
+                assert!(message.contains(why), "{extra}: {message}");
+            }
+            other => panic!("{extra}: {other:?}"),
+        }
+    }
+    let unlimited = "[[policies]]\nname = \"s\"\nroute = \"/s\"\nunlimited = true\noverrides = [{ keys = [\"1.2.3.4\"], burst = 1, rate = 1 }]\n";
+    assert!(matches!(
+        Config::from_toml(unlimited),
+        Err(ConfigError::Invalid { message, .. }) if message.contains("overrides")
+    ));
 }
 
 #[test]

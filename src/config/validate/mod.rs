@@ -16,7 +16,7 @@ mod policies;
 mod redis;
 mod sections;
 
-use policies::{api_keys, policies, shards};
+use policies::{api_keys, override_keys, policies, shards};
 use redis::redis;
 pub(super) use sections::http;
 use sections::{failover, hot_keys, memory, tracing};
@@ -109,6 +109,7 @@ pub(super) fn validate(s: Settings) -> Result<Config, ConfigError> {
     let mut policies = policies(s.policies, backend)?;
     for (i, p) in policies.iter_mut().enumerate() {
         shards(i, p, &api_keys, s.ipv6_prefix)?;
+        override_keys(i, p, &api_keys, s.ipv6_prefix)?;
     }
     // A lease must be able to live: the fleet's leases fit under the burst.
     for (i, p) in policies.iter().enumerate() {
@@ -122,7 +123,7 @@ pub(super) fn validate(s: Settings) -> Result<Config, ConfigError> {
                 "must be 0 (off) or at least 2: a lease of one token is a plain check",
             ));
         }
-        for limit in [p.limit, p.anonymous].into_iter().flatten() {
+        for limit in p.limits() {
             if limit.algorithm() != Algorithm::TokenBucket {
                 return Err(invalid(
                     field,
@@ -152,7 +153,7 @@ pub(super) fn validate(s: Settings) -> Result<Config, ConfigError> {
     }
     // Every policy's local share must be a limit the service can keep.
     for (i, p) in policies.iter().enumerate() {
-        for limit in [p.limit, p.anonymous].into_iter().flatten() {
+        for limit in p.limits() {
             // A sharded key's local share is each sub-bucket's.
             let limit = shard_limit(&limit, p.shards).unwrap_or(limit);
             if try_share(&limit, failover.instances, p.cost).is_err() {

@@ -3,12 +3,12 @@
 
 use super::{check_name, duration, invalid};
 use crate::algorithm::{Algorithm, Limit, LimitError};
-use crate::config::file::{ApiKeyFile, LimitFile, PolicyFile};
+use crate::config::file::{ApiKeyFile, LimitFile, OverrideFile, PolicyFile};
 use crate::config::parse::parse_hex32;
 use crate::config::{ApiKeyConfig, ConfigError};
 use crate::identity::{ApiKeys, valid_key};
 use crate::mitigation::{MAX_SHARDS, shard_limit};
-use crate::policy::Policy;
+use crate::policy::{Override, Policy};
 use crate::store::Backend;
 use std::net::{IpAddr, Ipv6Addr};
 use std::time::Duration;
@@ -38,7 +38,7 @@ pub(super) fn shards(
         }
         return Ok(());
     }
-    for limit in [p.limit, p.anonymous].into_iter().flatten() {
+    for limit in p.limits().collect::<Vec<_>>() {
         let algorithm = limit.algorithm();
         if !matches!(algorithm, Algorithm::TokenBucket | Algorithm::Gcra) {
             return Err(invalid(
@@ -68,7 +68,24 @@ pub(super) fn shards(
             ));
         }
     }
-    for (j, key) in p.shard_keys.iter_mut().enumerate() {
+    keys(
+        &format!("policies[{i}].shard_keys"),
+        &mut p.shard_keys,
+        api_keys,
+        ipv6_prefix,
+    )
+}
+
+/// Keys named in a policy (`field`): configured API key ids, or client
+/// addresses, normalized as the limiter keys them (a mapped IPv4 as IPv4,
+/// IPv6 cut to its prefix).
+fn keys(
+    field: &str,
+    keys: &mut [String],
+    api_keys: &[ApiKeyConfig],
+    ipv6_prefix: u8,
+) -> Result<(), ConfigError> {
+    for (j, key) in keys.iter_mut().enumerate() {
         if let Ok(ip) = key.parse::<IpAddr>() {
             let ip = match ip.to_canonical() {
                 IpAddr::V6(v6) if ipv6_prefix < 128 => {
@@ -82,12 +99,72 @@ pub(super) fn shards(
             *key = ip.to_string();
         } else if !api_keys.iter().any(|k| &k.id == key) {
             return Err(invalid(
-                format!("policies[{i}].shard_keys[{j}]"),
+                format!("{field}[{j}]"),
                 format!("{key:?} is neither a client address nor a configured api_keys id"),
             ));
         }
     }
     Ok(())
+}
+
+/// The keys of policy `i`'s overrides: ones that exist, each in one
+/// override at most.
+pub(super) fn override_keys(
+    i: usize,
+    p: &mut Policy,
+    api_keys: &[ApiKeyConfig],
+    ipv6_prefix: u8,
+) -> Result<(), ConfigError> {
+    let mut seen: Vec<String> = Vec::new();
+    for (j, o) in p.overrides.iter_mut().enumerate() {
+        let field = format!("policies[{i}].overrides[{j}].keys");
+        if o.keys.is_empty() {
+            return Err(invalid(field, "names no key: an override is for some keys"));
+        }
+        keys(&field, &mut o.keys, api_keys, ipv6_prefix)?;
+        for (k, key) in o.keys.iter().enumerate() {
+            if seen.contains(key) {
+                return Err(invalid(
+                    format!("{field}[{k}]"),
+                    format!("{key:?} has an override already: one limit a key"),
+                ));
+            }
+            seen.push(key.clone());
+        }
+    }
+    Ok(())
+}
+
+/// An override's limit, with the policy's algorithm and what it needs.
+fn build_override(
+    field: &str,
+    o: &OverrideFile,
+    algorithm: Algorithm,
+    backend: Backend,
+    cost: u64,
+) -> Result<Override, ConfigError> {
+    let limit = build_limit(
+        field,
+        &LimitFile {
+            burst: o.burst,
+            rate: o.rate,
+            per: o.per.clone(),
+        },
+    )?;
+    check_algorithm(field, algorithm, backend, &[limit])?;
+    if cost > limit.burst() {
+        return Err(invalid(
+            format!("{field}.burst"),
+            format!(
+                "{} is below the policy's cost {cost}: no request could ever be admitted",
+                limit.burst()
+            ),
+        ));
+    }
+    Ok(Override {
+        keys: o.keys.clone(),
+        limit: limit.with_algorithm(algorithm),
+    })
 }
 
 pub(super) fn api_keys(list: Vec<ApiKeyFile>) -> Result<Vec<ApiKeyConfig>, ConfigError> {
@@ -205,7 +282,7 @@ pub(super) fn policies(
             })
             .collect::<Result<Vec<_>, _>>()?;
         let cost = p.cost.unwrap_or(1);
-        let (limit, anonymous) = if p.unlimited {
+        let (limit, anonymous, overrides) = if p.unlimited {
             if p.burst.is_some()
                 || p.rate.is_some()
                 || p.anonymous.is_some()
@@ -217,13 +294,14 @@ pub(super) fn policies(
                 || p.lease > 0
                 || p.shards.is_some()
                 || !p.shard_keys.is_empty()
+                || !p.overrides.is_empty()
             {
                 return Err(invalid(
                     &field,
-                    "an unlimited policy takes no burst, rate, cost, anonymous limit, failure_mode, algorithm, shadow, deny_cache, lease, shards or shard_keys",
+                    "an unlimited policy takes no burst, rate, cost, anonymous limit, failure_mode, algorithm, shadow, deny_cache, lease, shards, shard_keys or overrides",
                 ));
             }
-            (None, None)
+            (None, None, Vec::new())
         } else {
             let burst = p.burst.ok_or_else(|| {
                 invalid(
@@ -264,7 +342,21 @@ pub(super) fn policies(
                     ));
                 }
             }
-            (Some(limit), Some(anonymous))
+            let overrides = p
+                .overrides
+                .iter()
+                .enumerate()
+                .map(|(j, o)| {
+                    build_override(
+                        &format!("{field}.overrides[{j}]"),
+                        o,
+                        algorithm,
+                        backend,
+                        cost,
+                    )
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            (Some(limit), Some(anonymous), overrides)
         };
         if out.iter().any(|o| {
             o.route == p.route
@@ -293,6 +385,7 @@ pub(super) fn policies(
             lease: p.lease,
             shards: p.shards.unwrap_or(1),
             shard_keys: p.shard_keys,
+            overrides,
         });
     }
     Ok(out)
