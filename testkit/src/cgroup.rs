@@ -52,6 +52,11 @@ impl CpuLimit {
         Ok(text.lines().filter_map(|l| l.trim().parse().ok()).collect())
     }
 
+    /// Its directory (what `scripts/stack` records for a node it caps).
+    pub fn dir(&self) -> &std::path::Path {
+        &self.dir
+    }
+
     /// The quota, in microseconds per 100 ms period.
     pub fn quota_us(&self) -> u64 {
         self.quota_us

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// A native stack: nginx, three instances, a 3-node Redis Cluster, an
-/// exporter per node, Prometheus.
+/// exporter per node, the nodes' cgroup counters, Prometheus.
 #[derive(Debug)]
 pub struct NativeStack {
     dir: TempDir,
@@ -35,7 +35,7 @@ impl NativeStack {
         let dir = TempDir::new("stack")?;
         // One block, so no two components are handed the same port, and
         // the Redis nodes' cluster bus ports (+10000) free and in range.
-        let base = free_port_block(11, true)?;
+        let base = free_port_block(12, true)?;
         let (nginx, prometheus) = (base, base + 1);
         let (api, redis, exporters) = (base + 2, base + 5, base + 8);
         let mut all = vec![
@@ -45,6 +45,10 @@ impl NativeStack {
             ("STACK_API_PORT_BASE".to_owned(), api.to_string()),
             ("STACK_REDIS_PORT_BASE".to_owned(), redis.to_string()),
             ("STACK_EXPORTER_PORT_BASE".to_owned(), exporters.to_string()),
+            (
+                "STACK_CGROUP_EXPORTER_PORT".to_owned(),
+                (base + 11).to_string(),
+            ),
             ("RATELIMITER_BIN".to_owned(), bin.display().to_string()),
         ];
         all.extend(env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
