@@ -1,10 +1,11 @@
 //! The dashboards and alerts, checked without Grafana: promtool on the
 //! config and rules (and every alert's unit test), the dashboards' JSON,
 //! every alert's runbook link, and every panel's query evaluated by a real
-//! Prometheus that scraped a real instance, a real Redis and a real
-//! redis_exporter under load. (Grafana cannot be installed here;
-//! Prometheus, promtool and the exporter are Debian packages, which
-//! `.ci/run` installs.)
+//! Prometheus that scraped a real instance, a real Redis (CPU-capped by a
+//! cgroup, as in both stacks), its redis_exporter and the stack's cgroup
+//! exporter under load, with the repository's relabelling. (Grafana cannot
+//! be installed here; Prometheus, promtool and the exporter are Debian
+//! packages, which `.ci/run` installs. The cap needs root and cgroup v1.)
 
 use serde_json::Value;
 use std::collections::BTreeSet;
@@ -237,7 +238,10 @@ fn metric_names(expr: &str) -> BTreeSet<String> {
     while i < bytes.len() {
         if bytes[i].is_ascii_alphabetic() || bytes[i] == '_' {
             let start = i;
-            while i < bytes.len() && (bytes[i].is_ascii_alphanumeric() || bytes[i] == '_') {
+            // A recording rule's name holds colons.
+            while i < bytes.len()
+                && (bytes[i].is_ascii_alphanumeric() || bytes[i] == '_' || bytes[i] == ':')
+            {
                 i += 1;
             }
             let word: String = bytes[start..i].iter().collect();
@@ -247,6 +251,8 @@ fn metric_names(expr: &str) -> BTreeSet<String> {
                 && (word.starts_with("ratelimit_")
                     || word.starts_with("http_server_")
                     || word.starts_with("redis_")
+                    || word.starts_with("container_")
+                    || word.contains(':')
                     || word == "up")
                 && bytes.get(i) != Some(&'=')
             {
@@ -264,6 +270,7 @@ fn metric_names(expr: &str) -> BTreeSet<String> {
 struct Scraped {
     prometheus: String,
     exporter_metrics: String,
+    cgroup_metrics: String,
     _children: Vec<ChildGuard>,
     _redis: RedisServer,
     _dir: TempDir,
@@ -272,8 +279,27 @@ struct Scraped {
 
 async fn scraped() -> Scraped {
     let dir = TempDir::new("observability").unwrap();
-    let redis = RedisServer::start().unwrap();
+    let mut redis = RedisServer::start().unwrap();
     let mut children = Vec::new();
+    // Its cap, recorded as scripts/stack records a node's, and the stack's
+    // own exporter of it.
+    redis.limit_cpu(0.5).unwrap();
+    std::fs::create_dir_all(dir.join("run")).unwrap();
+    std::fs::write(
+        dir.join("run/redis-1.cgroup"),
+        redis.cpu_limit().unwrap().dir().display().to_string(),
+    )
+    .unwrap();
+    let cgroup_port = free_port().unwrap();
+    children.push(ChildGuard(
+        Command::new(repo("scripts/cgroup-exporter"))
+            .arg(format!("127.0.0.1:{cgroup_port}"))
+            .arg(&dir.0)
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("python3 runs scripts/cgroup-exporter"),
+    ));
+    wait_for_port(cgroup_port, "cgroup exporter").unwrap();
     // redis_exporter on its Redis.
     let exporter_port = free_port().unwrap();
     children.push(ChildGuard(
@@ -320,9 +346,21 @@ async fn scraped() -> Scraped {
             .unwrap(),
     ));
     wait_for_port(api_port, "ratelimiter").unwrap();
-    // Prometheus: every second, with the repository's alert rules.
+    // Prometheus: every second, with the repository's alert rules and its
+    // relabelling of the cgroup counters (redis-1 is this node).
     let prometheus_port = free_port().unwrap();
     let prometheus_config = dir.join("prometheus.yml");
+    let repo_config: serde_yaml::Value =
+        serde_yaml::from_str(&read("prometheus/prometheus.yml")).unwrap();
+    let relabel = repo_config["scrape_configs"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|job| job["job_name"] == "cgroups")
+        .map(|job| serde_yaml::to_string(&job["metric_relabel_configs"]).unwrap())
+        .expect("prometheus.yml scrapes the cgroup counters")
+        .replace("172.28.0.11:6379", &format!("127.0.0.1:{}", redis.port));
+    let relabel: String = relabel.lines().map(|l| format!("      {l}\n")).collect();
     std::fs::write(
         &prometheus_config,
         format!(
@@ -330,7 +368,8 @@ async fn scraped() -> Scraped {
              rule_files:\n  - {}\n\
              scrape_configs:\n\
              \x20 - job_name: ratelimiter\n    static_configs:\n      - targets: ['127.0.0.1:{api_port}']\n\
-             \x20 - job_name: redis\n    static_configs:\n      - targets: ['127.0.0.1:{exporter_port}']\n        labels: {{node: '127.0.0.1:{redis_port}'}}\n",
+             \x20 - job_name: redis\n    static_configs:\n      - targets: ['127.0.0.1:{exporter_port}']\n        labels: {{node: '127.0.0.1:{redis_port}'}}\n\
+             \x20 - job_name: cgroups\n    static_configs:\n      - targets: ['127.0.0.1:{cgroup_port}']\n    metric_relabel_configs:\n{relabel}",
             repo("prometheus/rules/ratelimiter.yml").display(),
             redis_port = redis.port,
         ),
@@ -383,9 +422,16 @@ async fn scraped() -> Scraped {
         .text()
         .await
         .unwrap();
+    let cgroup_metrics = reqwest::get(format!("http://127.0.0.1:{cgroup_port}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     Scraped {
         prometheus: format!("http://127.0.0.1:{prometheus_port}"),
         exporter_metrics,
+        cgroup_metrics,
         _children: children,
         _redis: redis,
         _dir: dir,
@@ -517,11 +563,24 @@ async fn every_panel_query_runs_on_a_real_prometheus_and_shows_data() {
 async fn every_metric_the_dashboards_and_alerts_name_is_exported() {
     let stack = scraped().await;
     stack.load.abort();
+    // redis_exporter's names and the cgroup counters' (cAdvisor's names).
     let exporter: BTreeSet<&str> = stack
         .exporter_metrics
         .lines()
+        .chain(stack.cgroup_metrics.lines())
         .filter(|l| !l.starts_with('#'))
         .filter_map(|l| l.split(['{', ' ']).next())
+        .collect();
+    assert!(
+        exporter.contains("container_cpu_cfs_throttled_periods_total"),
+        "the cgroup exporter serves the capped node: {}",
+        stack.cgroup_metrics
+    );
+    // Recording rules, by the names they record.
+    let recorded: BTreeSet<String> = read("prometheus/rules/ratelimiter.yml")
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("- record:"))
+        .map(|n| n.trim().to_owned())
         .collect();
     let ours: BTreeSet<&str> = ratelimiter::metrics::ALL.iter().copied().collect();
     let mut exprs: Vec<String> = panel_queries().into_iter().map(|(_, _, e)| e).collect();
@@ -533,7 +592,11 @@ async fn every_metric_the_dashboards_and_alerts_name_is_exported() {
                 .iter()
                 .find_map(|s| name.strip_suffix(s))
                 .unwrap_or(&name);
-            if !(ours.contains(base) || exporter.contains(name.as_str()) || name == "up") {
+            if !(ours.contains(base)
+                || exporter.contains(name.as_str())
+                || recorded.contains(&name)
+                || name == "up")
+            {
                 unknown.insert(name);
             }
         }
@@ -544,5 +607,10 @@ async fn every_metric_the_dashboards_and_alerts_name_is_exported() {
         metric_names("sum(rate(ratelimit_decisions_total{x=\"redis_up\"}[1m])) + up")
             .into_iter()
             .eq(["ratelimit_decisions_total".to_owned(), "up".to_owned()])
+    );
+    assert!(
+        metric_names("a:b:c / container_spec_cpu_quota[5m:1m]")
+            .into_iter()
+            .eq(["a:b:c".to_owned(), "container_spec_cpu_quota".to_owned()])
     );
 }
