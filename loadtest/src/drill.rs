@@ -15,19 +15,20 @@
 //! At the end `scripts/drill deny-cache off` puts the stack back. Every
 //! figure from the stack comes from the overview dashboard's own panel
 //! queries (read from its JSON by title, `$__rate_interval` set to 15 s),
-//! evaluated every 5 s on the stack's Prometheus and averaged per phase:
-//! the table and the pictures show what the dashboard showed. The client
+//! evaluated every 5 s on the stack's Prometheus and averaged per phase,
+//! beside the alerts that fired in each phase: the table and the pictures
+//! show what the dashboard and the alerts showed. The client
 //! side adds what only it knows: which answers were false denials
 //! (every client here stays within its own limit) and how many the one
 //! shared bucket admitted against what one exact bucket allows.
 
+use crate::panels::{self, Series, mean, over_run};
 use crate::prom::Prometheus;
 use crate::results::{self, Chart, Table};
 use crate::traffic::{self, Tenant, Verdict};
 use anyhow::Context;
 use clap::Args;
 use rand::Rng;
-use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -175,85 +176,11 @@ async fn client_loop(
     }
 }
 
-/// The overview dashboard's panels: title to its queries.
-fn panels() -> anyhow::Result<BTreeMap<String, Vec<String>>> {
-    let path = Path::new(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../grafana/dashboards/ratelimiter-overview.json"
-    ));
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let json: Value = serde_json::from_str(&text)?;
-    let mut out = BTreeMap::new();
-    for panel in json["panels"].as_array().into_iter().flatten() {
-        let exprs = panel["targets"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|t| t["expr"].as_str())
-            .map(|e| {
-                e.replace("$__rate_interval", "15s")
-                    .replace("$instance", ".*")
-                    .replace("$node", ".*")
-            })
-            .collect();
-        if let Some(title) = panel["title"].as_str() {
-            out.insert(title.to_owned(), exprs);
-        }
-    }
-    Ok(out)
-}
-
-fn panel<'a>(
-    panels: &'a BTreeMap<String, Vec<String>>,
-    title: &str,
-    i: usize,
-) -> anyhow::Result<&'a str> {
-    panels
-        .get(title)
-        .and_then(|e| e.get(i))
-        .map(String::as_str)
-        .with_context(|| format!("the overview dashboard has no panel {title:?} (query {i})"))
-}
-
-/// A panel query over the whole drill: each series (by its labels) and its
-/// points (seconds since `start`, value).
-type Series = Vec<(BTreeMap<String, String>, Vec<(f64, f64)>)>;
-
-async fn over_run(
-    prometheus: &Prometheus,
-    expr: &str,
-    start: SystemTime,
-    end: SystemTime,
-) -> anyhow::Result<Series> {
-    let t0 = start.duration_since(SystemTime::UNIX_EPOCH)?.as_secs_f64();
-    Ok(prometheus
-        .query_range(expr, start, end, Duration::from_secs(5))
-        .await?
-        .into_iter()
-        .map(|(labels, points)| {
-            (
-                labels,
-                points.into_iter().map(|(t, v)| (t - t0, v)).collect(),
-            )
-        })
-        .collect())
-}
-
-/// The mean of `points` within `[from, until)` seconds.
-fn mean(points: &[(f64, f64)], from: f64, until: f64) -> Option<f64> {
-    let inside: Vec<f64> = points
-        .iter()
-        .filter(|(t, v)| *t >= from && *t < until && v.is_finite())
-        .map(|(_, v)| *v)
-        .collect();
-    (!inside.is_empty()).then(|| inside.iter().sum::<f64>() / inside.len() as f64)
-}
-
-fn switch(compose: bool, name: &str, state: &str) -> anyhow::Result<String> {
+/// `scripts/drill NAME STATE [ARGS] [--compose]`: what it said, or why it failed.
+pub fn switch(compose: bool, name: &str, state: &str, args: &[&str]) -> anyhow::Result<String> {
     let script = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/drill"));
     let mut command = std::process::Command::new(script);
-    command.args([name, state]);
+    command.args([name, state]).args(args);
     if compose {
         command.arg("--compose");
     }
@@ -264,7 +191,8 @@ fn switch(compose: bool, name: &str, state: &str) -> anyhow::Result<String> {
         String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     anyhow::ensure!(
         out.status.success(),
-        "scripts/drill {name} {state} failed: {text}"
+        "scripts/drill {name} {state} {} failed: {text}",
+        args.join(" ")
     );
     Ok(text)
 }
@@ -283,7 +211,7 @@ pub async fn run(args: DrillArgs) -> anyhow::Result<()> {
         args.phase_secs >= 30,
         "--phase-secs must be at least 30 (a phase's first 20 s are the panels catching up)"
     );
-    let panels = panels()?;
+    let panels = panels::overview(panels::RATE_INTERVAL)?;
     let dir = args.results.clone().unwrap_or_else(|| {
         PathBuf::from("results").join(format!("drill-{}", results::timestamp(SystemTime::now())))
     });
@@ -343,7 +271,7 @@ pub async fn run(args: DrillArgs) -> anyhow::Result<()> {
     let mut marks = Vec::new();
     for (i, (name, state)) in SWITCHES.iter().enumerate() {
         tokio::time::sleep_until((shared.start + phase * (i as u32 + 1)).into()).await;
-        let said = switch(args.compose, name, state)?;
+        let said = switch(args.compose, name, state, &[])?;
         shared.phase.store(i + 1, Ordering::Relaxed);
         let at = shared.start.elapsed().as_secs_f64();
         println!(
@@ -361,7 +289,7 @@ pub async fn run(args: DrillArgs) -> anyhow::Result<()> {
     for task in tasks {
         let _ = task.await;
     }
-    switch(args.compose, "deny-cache", "off")?;
+    switch(args.compose, "deny-cache", "off", &[])?;
     println!(
         "[{:>5.0}s] done; deny-cache off again",
         shared.start.elapsed().as_secs_f64()
@@ -370,7 +298,7 @@ pub async fn run(args: DrillArgs) -> anyhow::Result<()> {
     tokio::time::sleep(Duration::from_secs(6)).await;
 
     // The dashboard's panels over the run.
-    let q = |title: &str, i: usize| panel(&panels, title, i).map(str::to_owned);
+    let q = |title: &str, i: usize| panels::query(&panels, title, i).map(str::to_owned);
     let check_p99 = over_run(
         &prometheus,
         &q("Check p99: what every limited request waits", 0)?,
@@ -401,7 +329,7 @@ pub async fn run(args: DrillArgs) -> anyhow::Result<()> {
     .await?;
     let cpu = over_run(
         &prometheus,
-        &q("Node CPU (Redis's own view)", 0)?,
+        &q("Node CPU and its cap (cores)", 0)?,
         started_at,
         ended_at,
     )
@@ -420,6 +348,7 @@ pub async fn run(args: DrillArgs) -> anyhow::Result<()> {
         ended_at,
     )
     .await?;
+    let firing = panels::firing(&prometheus, started_at, ended_at).await?;
 
     // The hot key: the one with the most checks during the incident.
     let bounds: Vec<(f64, f64)> = (0..4)
@@ -484,11 +413,12 @@ pub async fn run(args: DrillArgs) -> anyhow::Result<()> {
         "anonymous admitted",
         "anonymous throttled",
         "5xx / errors",
+        "alerts firing at its end",
     ]);
-    for (i, (from, until)) in bounds.iter().copied().enumerate() {
+    for (i, (start, until)) in bounds.iter().copied().enumerate() {
         // Skip the first 20 s of a phase: the rates look 15 s back, and the
         // hot-key gauges show the last complete 10 s window.
-        let from = from + SETTLE;
+        let from = start + SETTLE;
         let t = shared.tenants.get(i);
         let a = shared.anonymous.get(i);
         table.row(vec![
@@ -504,6 +434,7 @@ pub async fn run(args: DrillArgs) -> anyhow::Result<()> {
             a[0].to_string(),
             format!("{} of {}", a[1], a.iter().sum::<u64>()),
             (t[2] + a[2]).to_string(),
+            panels::alert_names(&firing, (until - 10.0).max(start), until),
         ]);
     }
     println!();
@@ -584,6 +515,7 @@ pub async fn run(args: DrillArgs) -> anyhow::Result<()> {
                     .collect(),
             )],
             marks: marks.clone(),
+            x_range: None,
         },
         Chart {
             title: "Hot key: checks and Redis calls per second",
@@ -594,13 +526,15 @@ pub async fn run(args: DrillArgs) -> anyhow::Result<()> {
                 (format!("{key} Redis calls"), of_key(&hot_calls)),
             ],
             marks: marks.clone(),
+            x_range: None,
         },
         Chart {
-            title: "Node CPU (Redis's own view), cores",
+            title: "Node CPU (Redis's own view, against its cap), cores",
             x_label: "seconds since start",
             y_label: "cores",
             series: per_node(&cpu),
             marks: marks.clone(),
+            x_range: None,
         },
         Chart {
             title: "Anonymous clients' requests admitted (client side), %",
@@ -608,6 +542,7 @@ pub async fn run(args: DrillArgs) -> anyhow::Result<()> {
             y_label: "%",
             series: vec![("admitted".into(), anon_admitted)],
             marks,
+            x_range: None,
         },
     ];
     if let Some(path) = results::plot(&dir.join("drill.png"), &charts)? {

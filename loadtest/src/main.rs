@@ -30,12 +30,15 @@
 
 mod capacity;
 mod compare;
+mod cpu;
 mod drill;
+mod hotkey;
 mod httpcost;
 mod instances;
 mod luabench;
 mod mitigations;
 mod outage;
+mod panels;
 mod prom;
 mod proxy;
 mod race;
@@ -69,9 +72,10 @@ enum Command {
     /// Steady realistic traffic against the stack: tenants by Zipf
     /// popularity, abusive tenants, anonymous clients; every answer checked.
     Mixed(scenario::TrafficArgs),
-    /// The hot-key incident: mixed traffic, a surge on one identity in the
-    /// middle third, mixed again; latency before, during and after.
-    Hotkey(scenario::HotkeyArgs),
+    /// The hot-key incident, live: mixed traffic, a paced surge on one
+    /// identity (10 minutes unless told), mixed again; with
+    /// --mitigate-at, the runbook's mitigation switched on during it.
+    Hotkey(hotkey::HotkeyArgs),
     /// The hot-key drill of runbooks/hot-key.md: healthy, incident (the
     /// instances mistrust nginx), mitigated (deny cache), fixed; measured
     /// with the dashboard's own queries.
@@ -97,6 +101,9 @@ enum Command {
     /// Server CPU per request over HTTP: unlimited, memory, lua and denied
     /// routes beside tower_governor and a plain axum handler, pinned.
     HttpCost(httpcost::HttpCostArgs),
+    /// The overview dashboard's panel queries, filled in (no Grafana
+    /// needed), and with --eval their values now.
+    Panels(panels::PanelsArgs),
     /// Run one API instance (what the `ratelimiter` binary runs); used by
     /// the scenarios that start their own instances.
     #[command(hide = true)]
@@ -190,7 +197,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
         Command::Hotkey(args) => {
             // 5xx under the surge are the incident, reported above; an
             // answer that breaks the contract is a bug.
-            let report = scenario::hotkey(args).await?;
+            let report = hotkey::run(args).await?;
             anyhow::ensure!(
                 report.broken() == 0,
                 "{} answers broke the contract",
@@ -199,6 +206,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
         }
         Command::Capacity(args) => capacity::run(args).await?,
         Command::Drill(args) => drill::run(args).await?,
+        Command::Panels(args) => panels::print(args).await?,
         Command::Race(args) => {
             let results = race::run(args).await?;
             let errors: usize = results.iter().map(|r| r.errors).sum();

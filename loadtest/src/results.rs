@@ -5,12 +5,11 @@
 //! the PNGs are skipped with a note, and the CSV and Markdown still hold
 //! every number.
 
-use crate::prom::Timeline;
 use anyhow::Context;
 use plotters::prelude::*;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 /// A table: written as `<name>.csv` and `<name>.md`, printed as Markdown.
 #[derive(Debug, Clone)]
@@ -144,6 +143,8 @@ pub struct Chart<'a> {
     pub series: Vec<(String, Vec<(f64, f64)>)>,
     /// Vertical markers (x, label).
     pub marks: Vec<(f64, String)>,
+    /// The x axis's span, if not the data's (charts of one run line up).
+    pub x_range: Option<(f64, f64)>,
 }
 
 const COLOURS: [RGBColor; 6] = [
@@ -176,7 +177,9 @@ where
     DB::ErrorType: 'static,
 {
     let points = || chart.series.iter().flat_map(|(_, s)| s.iter());
-    let (x0, x1) = range(points().map(|p| p.0));
+    let (x0, x1) = chart
+        .x_range
+        .unwrap_or_else(|| range(points().map(|p| p.0)));
     let (y0, y1) = range(points().map(|p| p.1));
     let mut c = ChartBuilder::on(area)
         .caption(chart.title, ("sans-serif", 20))
@@ -242,69 +245,10 @@ pub fn plot(path: &Path, charts: &[Chart]) -> anyhow::Result<Option<PathBuf>> {
     Ok(Some(path.to_path_buf()))
 }
 
-/// `hotkey`'s timeline: `timeline.csv` and `hotkey.png` (check p99 and the
-/// hot node's share over time, the surge marked).
-pub fn write_timeline(
-    dir: &Path,
-    t: &Timeline,
-    from: Duration,
-    until: Duration,
-) -> anyhow::Result<()> {
-    let mut table = Table::new(&["seconds", "check p99 ms", "hot node", "hot node share"]);
-    for (i, s) in t.seconds.iter().enumerate() {
-        table.row(vec![
-            format!("{s:.0}"),
-            t.check_p99[i].map_or(String::new(), |v| format!("{:.3}", v * 1000.0)),
-            t.hot_share[i]
-                .as_ref()
-                .map_or(String::new(), |(n, _)| n.clone()),
-            t.hot_share[i]
-                .as_ref()
-                .map_or(String::new(), |(_, v)| format!("{v:.3}")),
-        ]);
-    }
-    table.write(dir, "timeline")?;
-    let marks = vec![
-        (from.as_secs_f64(), "surge starts".to_owned()),
-        (until.as_secs_f64(), "surge stops".to_owned()),
-    ];
-    let p99: Vec<(f64, f64)> = t
-        .seconds
-        .iter()
-        .zip(&t.check_p99)
-        .filter_map(|(s, v)| Some((*s, (*v)? * 1000.0)))
-        .collect();
-    let share: Vec<(f64, f64)> = t
-        .seconds
-        .iter()
-        .zip(&t.hot_share)
-        .filter_map(|(s, v)| Some((*s, v.as_ref()?.1 * 100.0)))
-        .collect();
-    let charts = [
-        Chart {
-            title: "Rate-limit check p99 (all instances)",
-            x_label: "seconds since start",
-            y_label: "ms",
-            series: vec![("check p99".into(), p99)],
-            marks: marks.clone(),
-        },
-        Chart {
-            title: "Busiest Redis node's share of calls",
-            x_label: "seconds since start",
-            y_label: "%",
-            series: vec![("hot node share".into(), share)],
-            marks,
-        },
-    ];
-    if let Some(path) = plot(&dir.join("hotkey.png"), &charts)? {
-        println!("plot: {}", path.display());
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     fn tables_render_as_markdown_and_quoted_csv() {

@@ -1,20 +1,18 @@
-//! `mixed` and `hotkey`: goose traffic against a running stack (nginx on
-//! 127.0.0.1:8080 by default, compose or `scripts/stack`), every answer
-//! checked, a one-screen summary, and a results folder (goose's HTML
-//! report, CSV, Markdown, PNG).
+//! `mixed` and the traffic of `hotkey`: goose traffic against a running
+//! stack (nginx on 127.0.0.1:8080 by default, compose or `scripts/stack`),
+//! every answer checked, a one-screen summary, and a results folder
+//! (goose's HTML report, CSV, Markdown). `hotkey.rs` plans the incident and
+//! reports its phases.
 //!
 //! Users come in classes (see `traffic.rs`): tenants picking API keys by
 //! Zipf popularity, a few abusive tenants far over their limits, anonymous
 //! clients each connecting from its own loopback address (nginx keys them
-//! by it), and for `hotkey` the surge, idle before and after its window in
-//! the middle third of the run. Each class has a goose scenario; goose's
-//! `-u` splits users across them by the weights here.
+//! by it), and for `hotkey` the surge, idle outside its window. Each class
+//! has a goose scenario; goose's `-u` splits users across them by the
+//! weights here.
 
-use crate::prom::Prometheus;
 use crate::results::{self, Table};
-use crate::traffic::{
-    self, Class, Counts, Latency, PROXY_ADDRESS, Route, Tally, Tenant, Verdict, Zipf,
-};
+use crate::traffic::{self, Class, Counts, Latency, Route, Tally, Tenant, Verdict, Zipf};
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 use goose::config::GooseConfiguration;
@@ -55,23 +53,24 @@ pub struct TrafficArgs {
 /// What concentrates the `hotkey` surge on one identity.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Cause {
-    /// One abusive API key, hammered
+    /// One abusive API key, far over its limit
     Tenant,
     /// Every install of a client release sends the same constant key
     ClientBug,
     /// Clients behind a front proxy nobody trusts: all arrive from its one
     /// address, so they share one anonymous bucket
     Proxy,
+    /// A partner tenant within its own large limit: admitted, yet more
+    /// checks than one node can serve
+    Partner,
 }
 
-/// `hotkey`'s own flags.
-#[derive(Debug, Args)]
-pub struct HotkeyArgs {
-    /// What makes the key hot
-    #[arg(long, value_enum, default_value_t = Cause::Tenant)]
-    pub cause: Cause,
-    #[command(flatten)]
-    pub traffic: TrafficArgs,
+impl Cause {
+    /// Whether the surge's requests are admitted (within the key's limit),
+    /// so that a deny cache has nothing to cache.
+    pub fn admitted(self) -> bool {
+        self == Cause::Partner
+    }
 }
 
 /// The user weights per class: goose gives each scenario this share of
@@ -100,6 +99,8 @@ fn wait_time(class: Class) -> (Duration, Duration) {
 pub enum Phase {
     Before,
     During,
+    /// The surge goes on, the mitigation in force.
+    Mitigated,
     After,
 }
 
@@ -108,12 +109,13 @@ impl Phase {
         match self {
             Phase::Before => "before",
             Phase::During => "surge",
+            Phase::Mitigated => "mitigated",
             Phase::After => "after",
         }
     }
 }
 
-/// The surge: who it is and when.
+/// The surge: who it is, when, and how fast.
 #[derive(Debug, Clone)]
 pub struct Surge {
     pub cause: Cause,
@@ -122,25 +124,75 @@ pub struct Surge {
     /// Its window, from the start of the run.
     pub from: Duration,
     pub until: Duration,
+    /// When the mitigation takes over, within the window, if it does.
+    pub mitigated: Option<Duration>,
+    /// Requests per second over all its users, at most: a client with a
+    /// pace of its own, which goes slower only when its answers do.
+    pub rate: f64,
+}
+
+/// Something done at a time of the run (from its start): `label` is
+/// printed, then what `action` says.
+pub struct Timed {
+    pub at: Duration,
+    pub label: String,
+    pub action: Option<Box<dyn FnOnce() -> anyhow::Result<String> + Send>>,
+}
+
+impl std::fmt::Debug for Timed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Timed")
+            .field("at", &self.at)
+            .field("label", &self.label)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One schedule of slots for every surge user together: each request
+/// waits for the next slot, so the surge keeps its rate whatever the
+/// number of users; when answers are slower than the slots, the slots
+/// wait for them (no debt is kept, so no catch-up burst follows).
+#[derive(Debug)]
+struct Pacer {
+    period: Duration,
+    next: Mutex<Instant>,
+}
+
+impl Pacer {
+    fn new(rate: f64) -> Self {
+        Self {
+            period: Duration::from_secs_f64(1.0 / rate.max(1e-3)),
+            next: Mutex::new(Instant::now()),
+        }
+    }
+
+    /// When the caller may send its next request.
+    fn slot(&self, now: Instant) -> Instant {
+        let mut next = self.next.lock().unwrap_or_else(|e| e.into_inner());
+        let at = (*next).max(now);
+        *next = at + self.period;
+        at
+    }
 }
 
 /// Everything the goose users share.
 #[derive(Debug)]
-struct Run {
+pub struct Run {
     tenants: Vec<Tenant>,
     /// Well-behaved tenants (by popularity) and the abusive ones.
     popular: Zipf,
     abusive: Vec<Tenant>,
     surge: Option<Surge>,
+    pacer: Option<Pacer>,
     /// Bind users to their own loopback addresses (the target is local).
     bind: bool,
     start: Instant,
-    started_at: SystemTime,
+    pub started_at: SystemTime,
     next_address: AtomicU64,
     tally: Tally,
     /// Request latency by phase: everyone but the surge, and the surge.
-    others: [Latency; 3],
-    surging: [Latency; 3],
+    pub others: [Latency; 4],
+    pub surging: [Latency; 4],
     errors: Mutex<BTreeMap<String, u64>>,
 }
 
@@ -151,10 +203,14 @@ fn run_state() -> &'static Arc<Run> {
 }
 
 impl Run {
-    fn phase(&self, elapsed: Duration) -> Phase {
+    /// The phase of the run `elapsed` into it.
+    pub fn phase(&self, elapsed: Duration) -> Phase {
         match &self.surge {
             Some(s) if elapsed < s.from => Phase::Before,
-            Some(s) if elapsed < s.until => Phase::During,
+            Some(s) if elapsed < s.until => match s.mitigated {
+                Some(m) if elapsed >= m => Phase::Mitigated,
+                _ => Phase::During,
+            },
             Some(_) => Phase::After,
             None => Phase::Before,
         }
@@ -225,24 +281,27 @@ pub(crate) fn resolve(path: &std::path::Path) -> PathBuf {
 async fn setup(user: &mut GooseUser, class: Class) -> TransactionResult {
     let run = run_state();
     let n = run.next_address.fetch_add(1, Ordering::Relaxed);
+    let cause = run.surge.as_ref().map(|s| s.cause);
+    let who = match class {
+        Class::Surge => cause.map(traffic::SurgeClient::of),
+        _ => None,
+    };
     let mut builder = reqwest::Client::builder()
         .timeout(Duration::from_secs(10))
-        .user_agent(match class {
-            Class::Surge => "demo-app/2.3.0",
-            _ => "loadtest",
-        });
-    let proxy_surge =
-        class == Class::Surge && run.surge.as_ref().is_some_and(|s| s.cause == Cause::Proxy);
+        .user_agent(who.as_ref().map_or("loadtest", |w| w.user_agent));
     if run.bind {
-        // Anonymous clients and the client-bug's installs each have an
-        // address; the proxy surge all comes from the proxy's.
-        if proxy_surge {
-            builder = builder.local_address(PROXY_ADDRESS);
-        } else if matches!(class, Class::Anonymous | Class::Surge) {
-            builder = builder.local_address(traffic::client_address(n));
+        // Anonymous clients each have an address; the surge's clients
+        // come from where its cause says (the access log tells them apart).
+        let address = match &who {
+            Some(w) => Some(w.address(n)),
+            None => (class == Class::Anonymous).then(|| traffic::client_address(n)),
+        };
+        if let Some(address) = address {
+            builder = builder.local_address(address);
         }
     }
     user.set_client_builder(builder).await?;
+    let proxy_surge = class == Class::Surge && cause == Some(Cause::Proxy);
     user.set_session_data(UserState {
         rng: SmallRng::seed_from_u64(n.wrapping_mul(0x9e37_79b9_7f4a_7c15)),
         forwarded_for: proxy_surge.then(|| traffic::client_address(n)),
@@ -252,15 +311,24 @@ async fn setup(user: &mut GooseUser, class: Class) -> TransactionResult {
 
 async fn send(user: &mut GooseUser, class: Class) -> TransactionResult {
     let run = Arc::clone(run_state());
-    let phase = run.phase(run.start.elapsed());
-    if class == Class::Surge && phase != Phase::During {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        return Ok(());
+    let mut phase = run.phase(run.start.elapsed());
+    if class == Class::Surge {
+        if !matches!(phase, Phase::During | Phase::Mitigated) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            return Ok(());
+        }
+        if let Some(pacer) = &run.pacer {
+            tokio::time::sleep_until(pacer.slot(Instant::now()).into()).await;
+            phase = run.phase(run.start.elapsed());
+        }
     }
     let state = user
         .get_session_data_mut::<UserState>()
         .expect("set on start");
-    let route = Route::pick(state.rng.random());
+    // A partner's integration reads the catalogue; the others' mix
+    // includes orders.
+    let partner = class == Class::Surge && run.surge.as_ref().is_some_and(|s| s.cause.admitted());
+    let route = Route::pick(state.rng.random::<f64>() * if partner { 0.9 } else { 1.0 });
     let key = match class {
         Class::Tenant => Some(&run.tenants[run.popular.pick(state.rng.random())]),
         Class::Abusive => Some(&run.abusive[state.rng.random_range(0..run.abusive.len())]),
@@ -380,39 +448,28 @@ impl Report {
 
 /// `mixed`: steady traffic, every answer checked, a summary.
 pub async fn mixed(args: TrafficArgs) -> anyhow::Result<Report> {
-    run("mixed", args, None, Duration::from_secs(60)).await
+    let run_time = run_time(&args.goose)?.unwrap_or(Duration::from_secs(60));
+    Ok(run("mixed", args, None, Vec::new(), run_time).await?.report)
 }
 
-/// `hotkey`: mixed traffic, then the surge, then mixed again.
-pub async fn hotkey(args: HotkeyArgs) -> anyhow::Result<Report> {
-    run(
-        "hotkey",
-        args.traffic,
-        Some(args.cause),
-        Duration::from_secs(180),
-    )
-    .await
-}
-
-async fn run(
-    scenario: &'static str,
-    args: TrafficArgs,
-    cause: Option<Cause>,
-    default_run_time: Duration,
-) -> anyhow::Result<Report> {
-    let addr = require_stack(&args.goose)?;
+/// The run time `-t` asks for, if it does.
+pub fn run_time(goose: &GooseConfiguration) -> anyhow::Result<Option<Duration>> {
     anyhow::ensure!(
-        args.goose.iterations.is_none(),
-        "{scenario} is bounded by time (-t), not --iterations"
+        goose.iterations.is_none(),
+        "the scenarios are bounded by time (-t), not --iterations"
     );
-    let run_time = match &args.goose.run_time {
-        Some(t) if !t.is_empty() => Duration::from_secs(
-            goose::util::parse_timespan(t).with_context(|| format!("-t {t}: not a time span"))?
-                as u64,
-        ),
-        _ => default_run_time,
+    let Some(t) = goose.run_time.as_ref().filter(|t| !t.is_empty()) else {
+        return Ok(None);
     };
-    anyhow::ensure!(run_time >= Duration::from_secs(3), "-t must be at least 3s");
+    let secs =
+        goose::util::parse_timespan(t).with_context(|| format!("-t {t}: not a time span"))?;
+    anyhow::ensure!(secs >= 3, "-t must be at least 3s");
+    Ok(Some(Duration::from_secs(secs as u64)))
+}
+
+/// The tenants of `--tenants`: the well-behaved ones (by popularity), and
+/// the `--abusive` least popular.
+pub fn cast(args: &TrafficArgs) -> anyhow::Result<(Vec<Tenant>, Vec<Tenant>)> {
     let tenants = traffic::tenants(&resolve(&args.tenants))?;
     anyhow::ensure!(
         args.abusive >= 1 && args.abusive + 2 <= tenants.len(),
@@ -421,18 +478,31 @@ async fn run(
         tenants.len()
     );
     let (good, bad) = tenants.split_at(tenants.len() - args.abusive);
-    let surge = cause.map(|cause| Surge {
-        cause,
-        key: match cause {
-            // The hot tenant: one of the well-behaved ones, turned abusive.
-            Cause::Tenant => Some(good[good.len() / 2].clone()),
-            // A popular tenant whose app shipped with its key built in.
-            Cause::ClientBug => Some(good[1].clone()),
-            Cause::Proxy => None,
-        },
-        from: run_time / 3,
-        until: run_time * 2 / 3,
-    });
+    Ok((good.to_vec(), bad.to_vec()))
+}
+
+/// What a run left: the counts, the latencies by phase, and when it ran.
+#[derive(Debug)]
+pub struct Ran {
+    pub report: Report,
+    pub run: Arc<Run>,
+    pub started_at: SystemTime,
+    pub ended_at: SystemTime,
+    /// The results folder.
+    pub dir: PathBuf,
+}
+
+/// Runs the classes (and the surge, if any) for `run_time`, doing each of
+/// `timed` at its time; prints and writes the summary.
+pub async fn run(
+    scenario: &'static str,
+    args: TrafficArgs,
+    surge: Option<Surge>,
+    timed: Vec<Timed>,
+    run_time: Duration,
+) -> anyhow::Result<Ran> {
+    let addr = require_stack(&args.goose)?;
+    let (good, bad) = cast(&args)?;
     let dir = args.results.clone().unwrap_or_else(|| {
         PathBuf::from("results").join(format!(
             "{scenario}-{}",
@@ -443,8 +513,9 @@ async fn run(
 
     let state = Arc::new(Run {
         popular: Zipf::new(good.len(), args.zipf),
-        tenants: good.to_vec(),
-        abusive: bad.to_vec(),
+        tenants: good,
+        abusive: bad,
+        pacer: surge.as_ref().map(|s| Pacer::new(s.rate)),
         surge: surge.clone(),
         bind: addr.ip().is_loopback(),
         start: Instant::now(),
@@ -502,19 +573,24 @@ async fn run(
             "note: the target is not local, so anonymous users all come from this machine's address"
         );
     }
-    let announcer = surge.clone().map(|s| {
-        let start = state.start;
-        tokio::spawn(async move {
-            tokio::time::sleep_until((start + s.from).into()).await;
-            println!("[{:>4}s] surge starts: {}", s.from.as_secs(), describe(&s));
-            tokio::time::sleep_until((start + s.until).into()).await;
-            println!("[{:>4}s] surge stops", s.until.as_secs());
-        })
+    let start = state.start;
+    let schedule = tokio::spawn(async move {
+        for event in timed {
+            tokio::time::sleep_until((start + event.at).into()).await;
+            if !event.label.is_empty() {
+                println!("[{:>4}s] {}", event.at.as_secs(), event.label);
+            }
+            if let Some(action) = event.action {
+                match tokio::task::spawn_blocking(action).await {
+                    Ok(Ok(said)) => said.lines().for_each(|l| println!("        {l}")),
+                    Ok(Err(e)) => println!("        failed: {e:#}"),
+                    Err(e) => println!("        failed: {e}"),
+                }
+            }
+        }
     });
     let metrics = attack.execute().await?;
-    if let Some(a) = announcer {
-        a.abort();
-    }
+    schedule.abort();
     let ended_at = SystemTime::now();
     drop(metrics);
 
@@ -556,93 +632,12 @@ async fn run(
             println!("  {n:>8}  {why}");
         }
     }
-
-    if let Some(s) = &surge {
-        let prometheus = Prometheus::new(&args.prometheus);
-        phases(&state, s, &prometheus, ended_at, &dir).await?;
-    }
     println!("goose's report: {}", report_file.display());
-    Ok(Report { counts })
-}
-
-fn describe(s: &Surge) -> String {
-    match (s.cause, &s.key) {
-        (Cause::Tenant, Some(t)) => format!("one abusive tenant ({}) flat out", t.id),
-        (Cause::ClientBug, Some(t)) => {
-            format!("a client release sends {}'s key from every install", t.id)
-        }
-        _ => format!("clients behind an untrusted proxy ({PROXY_ADDRESS}), one anonymous bucket"),
-    }
-}
-
-/// The before / surge / after table: request latency seen here, check
-/// latency and the hot node's share seen by the instances (Prometheus).
-async fn phases(
-    state: &Run,
-    surge: &Surge,
-    prometheus: &Prometheus,
-    ended_at: SystemTime,
-    dir: &std::path::Path,
-) -> anyhow::Result<()> {
-    let start = state.started_at;
-    let bounds = [
-        (Phase::Before, start, start + surge.from),
-        (Phase::During, start + surge.from, start + surge.until),
-        (Phase::After, start + surge.until, ended_at),
-    ];
-    let up = prometheus.ready().await;
-    if up {
-        // One more scrape after the end (every 5 s), so the last phase counts.
-        tokio::time::sleep(Duration::from_secs(6)).await;
-    } else {
-        println!(
-            "note: no Prometheus at {}: check latency and node share are left out",
-            prometheus.url()
-        );
-    }
-    let mut table = Table::new(&[
-        "phase",
-        "seconds",
-        "others p50 ms",
-        "others p99 ms",
-        "surge p99 ms",
-        "check p50 ms",
-        "check p99 ms",
-        "hot node share",
-    ]);
-    for (phase, from, until) in bounds {
-        let i = phase as usize;
-        let seconds = until.duration_since(from).unwrap_or_default().as_secs();
-        let (check50, check99, share) = if up {
-            // rate() needs two scrapes (every 5 s) inside its window:
-            // a phase shorter than 15 s reads the 15 s before its end.
-            let window = seconds.max(15);
-            (
-                prometheus.check_quantile(0.5, window, until).await,
-                prometheus.check_quantile(0.99, window, until).await,
-                prometheus.hot_node_share(window, until).await,
-            )
-        } else {
-            (None, None, None)
-        };
-        table.row(vec![
-            phase.name().into(),
-            seconds.to_string(),
-            results::ms_from_us(state.others[i].quantile(0.5)),
-            results::ms_from_us(state.others[i].quantile(0.99)),
-            results::ms_from_us(state.surging[i].quantile(0.99)),
-            results::ms_from_secs(check50),
-            results::ms_from_secs(check99),
-            share.map_or("-".into(), |(node, s)| {
-                format!("{:.0} % ({node})", s * 100.0)
-            }),
-        ]);
-    }
-    println!("{}", table.markdown());
-    table.write(dir, "phases")?;
-    if up {
-        let timeline = prometheus.timeline(start, ended_at).await?;
-        results::write_timeline(dir, &timeline, surge.from, surge.until)?;
-    }
-    Ok(())
+    Ok(Ran {
+        report: Report { counts },
+        started_at: state.started_at,
+        run: state,
+        ended_at,
+        dir,
+    })
 }

@@ -20,6 +20,19 @@ pub struct Tenant {
 struct KeysFile {
     #[serde(default)]
     api_keys: Vec<KeyEntry>,
+    #[serde(default)]
+    policies: Vec<PolicyEntry>,
+}
+
+#[derive(Deserialize)]
+struct PolicyEntry {
+    #[serde(default)]
+    overrides: Vec<OverrideEntry>,
+}
+
+#[derive(Deserialize)]
+struct OverrideEntry {
+    keys: Vec<String>,
 }
 
 #[derive(Deserialize)]
@@ -48,6 +61,23 @@ pub fn tenants(path: &Path) -> anyhow::Result<Vec<Tenant>> {
         tenants.len()
     );
     Ok(tenants)
+}
+
+/// The partner: the first API key id with a limit of its own (an
+/// override) on some policy of a service config file, if any.
+pub fn partner(path: &Path) -> anyhow::Result<Option<String>> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read the tenants' config {}", path.display()))?;
+    let file: KeysFile = toml::from_str(&text)
+        .with_context(|| format!("{}: not a service config", path.display()))?;
+    let ids: Vec<&str> = file.api_keys.iter().map(|k| k.id.as_str()).collect();
+    Ok(file
+        .policies
+        .iter()
+        .flat_map(|p| &p.overrides)
+        .flat_map(|o| &o.keys)
+        .find(|k| ids.contains(&k.as_str()))
+        .cloned())
 }
 
 /// Zipf popularity over ranks `0..n`: rank `k` is picked with probability
@@ -292,6 +322,64 @@ pub fn client_address(n: u64) -> IpAddr {
 /// front proxy nobody trusts, behind which every client looks the same.
 pub const PROXY_ADDRESS: IpAddr = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 9));
 
+/// Who sends a surge, as nginx's access log sees it: the user agent, and
+/// the addresses it comes from. The runbook's root-cause step tells the
+/// causes apart by them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SurgeClient {
+    pub user_agent: &'static str,
+    /// The first of its addresses (127.0.0.x), or none for many (the
+    /// anonymous clients' range).
+    first: Option<u8>,
+    /// How many addresses from `first`.
+    count: u8,
+}
+
+impl SurgeClient {
+    pub fn of(cause: super::scenario::Cause) -> Self {
+        use super::scenario::Cause;
+        match cause {
+            // One script on one host, far over its key's limit.
+            Cause::Tenant => Self {
+                user_agent: "report-exporter/1.4",
+                first: Some(8),
+                count: 1,
+            },
+            // Every install of one release: many addresses, one agent.
+            Cause::ClientBug => Self {
+                user_agent: "demo-app/2.3.0",
+                first: None,
+                count: 0,
+            },
+            // Browsers behind one proxy nobody trusts.
+            Cause::Proxy => Self {
+                user_agent: "Mozilla/5.0 (X11; Linux x86_64)",
+                first: Some(9),
+                count: 1,
+            },
+            // The partner's three sync servers.
+            Cause::Partner => Self {
+                user_agent: "partner-sync/7.2",
+                first: Some(21),
+                count: 3,
+            },
+        }
+    }
+
+    /// The address of its `n`th user.
+    pub fn address(&self, n: u64) -> IpAddr {
+        match self.first {
+            Some(first) => IpAddr::V4(Ipv4Addr::new(
+                127,
+                0,
+                0,
+                first + (n % u64::from(self.count.max(1))) as u8,
+            )),
+            None => client_address(n),
+        }
+    }
+}
+
 /// Counts per class: admitted, throttled, unavailable, broken.
 #[derive(Debug, Default)]
 pub struct Tally {
@@ -516,6 +604,51 @@ mod tests {
             assert!(matches!(a, IpAddr::V4(v4) if v4.octets()[1] != 0), "{a}");
             assert!(seen.insert(a), "{a} twice");
         }
+    }
+
+    #[test]
+    fn each_cause_sends_from_its_own_addresses_and_agent() {
+        use crate::scenario::Cause;
+        let addresses = |cause| {
+            let c = SurgeClient::of(cause);
+            (0..24)
+                .map(|n| c.address(n))
+                .collect::<std::collections::BTreeSet<_>>()
+        };
+        assert_eq!(addresses(Cause::Tenant).len(), 1);
+        assert_eq!(addresses(Cause::Partner).len(), 3);
+        assert_eq!(addresses(Cause::ClientBug).len(), 24);
+        assert_eq!(
+            addresses(Cause::Proxy).into_iter().collect::<Vec<_>>(),
+            [PROXY_ADDRESS]
+        );
+        // None is nginx's own address, which the instances trust.
+        for cause in [
+            Cause::Tenant,
+            Cause::ClientBug,
+            Cause::Proxy,
+            Cause::Partner,
+        ] {
+            assert!(!addresses(cause).contains(&IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2))));
+        }
+        let agents: std::collections::BTreeSet<_> = [
+            Cause::Tenant,
+            Cause::ClientBug,
+            Cause::Proxy,
+            Cause::Partner,
+        ]
+        .map(|c| SurgeClient::of(c).user_agent)
+        .into();
+        assert_eq!(agents.len(), 4);
+    }
+
+    #[test]
+    fn the_stack_config_names_its_partner() {
+        let config =
+            std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../config/stack.toml"));
+        assert_eq!(partner(config).unwrap().as_deref(), Some("tenant-01"));
+        let tenants = tenants(config).unwrap();
+        assert!(tenants.iter().any(|t| t.id == "tenant-01"));
     }
 
     proptest! {

@@ -57,8 +57,13 @@ fn csv(path: &Path) -> Vec<HashMap<String, String>> {
 }
 
 fn scenario(stack: &NativeStack, results: &Path, args: &[&str]) -> Run {
-    let out = Command::new(BIN)
-        .args(args)
+    let mut command = Command::new(BIN);
+    command.args(args);
+    if args[0] == "hotkey" {
+        // Its components' CPU, from this stack's pid files.
+        command.arg("--stack-dir").arg(stack.dir());
+    }
+    let out = command
         .arg("-H")
         .arg(stack.url(""))
         .arg("--prometheus")
@@ -118,6 +123,8 @@ fn the_scenarios_run_against_the_native_stack() {
             // Answers, not latency: no deadline misses on a busy machine.
             ("RL_FAILURE_DEADLINE", "2s"),
             ("RL_REDIS_RESPONSE_TIMEOUT", "2s"),
+            // Hot keys within a 10 s phase.
+            ("RL_HOT_KEYS_WINDOW", "2s"),
             ("INSTANCE_LOG", "error"),
         ],
     )
@@ -170,18 +177,38 @@ fn the_scenarios_run_against_the_native_stack() {
     let phases = csv(&tenant.dir.join("phases.csv"));
     let names: Vec<&str> = phases.iter().map(|p| p["phase"].as_str()).collect();
     assert_eq!(names, ["before", "surge", "after"]);
-    // The surge's own latency exists only in its window.
+    // The surge sends only in its window.
+    assert_eq!(phases[0]["surge req/s"], "0");
+    assert_ne!(phases[1]["surge req/s"], "0");
+    assert_eq!(phases[2]["surge req/s"], "0");
     assert_eq!(phases[0]["surge p99 ms"], "-");
     assert_ne!(phases[1]["surge p99 ms"], "-");
-    assert_eq!(phases[2]["surge p99 ms"], "-");
-    // Prometheus saw the run: the check latency and the busiest node.
+    // Prometheus saw the run, as the dashboard's panels show it: the
+    // check latency, the surge key's node and its share of it, and the
+    // node's CPU against what it may use (one core: this stack is
+    // uncapped, so the cgroup exporter has nothing to say).
     assert_ne!(phases[1]["check p99 ms"], "-", "{}", tenant.stdout);
+    assert_ne!(phases[1]["surge node CPU (cores)"], "-", "{:?}", phases[1]);
+    assert_ne!(phases[1]["of its cap"], "-", "{:?}", phases[1]);
     assert!(
-        phases[1]["hot node share"].contains("127.0.0.1:"),
+        phases[1]["surge key's share of its node"].ends_with('%'),
+        "{:?}",
+        phases[1]
+    );
+    assert!(
+        tenant.stdout.contains("surge: tenant-"),
+        "{}",
+        tenant.stdout
+    );
+    // The machine's CPU per phase, and the stack's components' (native).
+    assert!(phases[1]["machine busy"].ends_with('%'), "{:?}", phases[1]);
+    assert!(
+        phases[1]["generator + nginx + instances"].ends_with('%'),
         "{:?}",
         phases[1]
     );
     assert!(tenant.dir.join("timeline.csv").exists());
+    assert!(tenant.dir.join("alerts.csv").exists());
     assert!(
         tenant.dir.join("hotkey.png").exists(),
         "the plot (needs fonts-dejavu-core)"

@@ -341,6 +341,7 @@ fn report(series: &Series, in_flight: usize, dir: &Path) -> anyhow::Result<()> {
             y_label: "achieved requests/s",
             series: line(&|r| Some(r.point.achieved)),
             marks: Vec::new(),
+            x_range: None,
         },
         Chart {
             title: "Check p99 vs offered load",
@@ -348,6 +349,7 @@ fn report(series: &Series, in_flight: usize, dir: &Path) -> anyhow::Result<()> {
             y_label: "ms",
             series: line(&|r| r.check_p99.map(|s| s * 1000.0)),
             marks: Vec::new(),
+            x_range: None,
         },
         Chart {
             title: "Request p99 vs offered load",
@@ -355,6 +357,7 @@ fn report(series: &Series, in_flight: usize, dir: &Path) -> anyhow::Result<()> {
             y_label: "ms",
             series: line(&|r| r.req_p99.map(|us| us as f64 / 1000.0)),
             marks: Vec::new(),
+            x_range: None,
         },
     ];
     for (file, chart) in ["throughput.png", "check-p99.png", "request-p99.png"]
