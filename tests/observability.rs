@@ -5,7 +5,7 @@
 //! cgroup, as in both stacks), its redis_exporter and the stack's cgroup
 //! exporter under load, with the repository's relabelling. (Grafana cannot
 //! be installed here; Prometheus, promtool and the exporter are Debian
-//! packages, which `.ci/run` installs. The cap needs root and cgroup v1.)
+//! packages, which `scripts/test` installs. The cap needs root and cgroup v1.)
 
 use serde_json::Value;
 use std::collections::BTreeSet;

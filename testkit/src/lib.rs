@@ -22,7 +22,7 @@
 //! service's traits stay in the service crate's tests.
 //!
 //! Everything here needs the binaries (Debian: `redis-server`,
-//! `redis-tools`, `openssl`); `.ci/run` installs them.
+//! `redis-tools`, `openssl`); `scripts/test` installs them.
 
 pub mod cgroup;
 pub mod fleet;
