@@ -258,6 +258,13 @@ fn metric_names(expr: &str) -> BTreeSet<String> {
             {
                 out.insert(word);
             }
+        } else if bytes[i].is_ascii_digit() {
+            // A number or a duration ("5m:1m" in a subquery) is no name.
+            while i < bytes.len()
+                && (bytes[i].is_ascii_alphanumeric() || bytes[i] == ':' || bytes[i] == '.')
+            {
+                i += 1;
+            }
         } else {
             i += 1;
         }
