@@ -244,3 +244,38 @@ fn the_check_reads_imports_as_written() {
         "use crate::a;"
     );
 }
+
+/// A store that holds another store is a `Layer`: the one blanket
+/// `impl Store` forwards readiness, slot owners and the backend's name, so
+/// a wrapper written by hand as a `Store` over an inner store (the way one
+/// forgets a question and breaks `/readyz`) is refused here.
+#[test]
+fn every_store_wrapper_is_a_layer() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    visit(&src, &mut files);
+    let mut by_hand = Vec::new();
+    let mut layers = 0;
+    for file in files {
+        let code = code(&std::fs::read_to_string(&file).unwrap());
+        for line in code.lines() {
+            let line = line.trim();
+            if line.starts_with("impl<") && line.contains("> Layer for ") {
+                layers += 1;
+            }
+            // `impl<S: Store> Store for X<S>`, with or without bounds.
+            let generic_store = line.starts_with("impl<")
+                && line.contains(": Store")
+                && line.contains("> Store for ");
+            if generic_store && !line.contains("for Arc<S>") && !line.contains("for L ") {
+                by_hand.push(format!("{}: {line}", file.display()));
+            }
+        }
+    }
+    assert!(
+        by_hand.is_empty(),
+        "wrappers that are Stores by hand, not Layers:\n{}",
+        by_hand.join("\n")
+    );
+    assert!(layers >= 6, "only {layers} layers found");
+}

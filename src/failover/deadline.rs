@@ -20,7 +20,7 @@
 //! that fails or outlasts its allowance as the store failing. The request
 //! itself was decided at the deadline either way.
 
-use crate::store::{BoxFuture, Check, CheckFuture, Late, Store, StoreError};
+use crate::store::{Check, CheckFuture, Late, Layer, Store, StoreError};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -54,8 +54,14 @@ impl<S> Deadline<S> {
     }
 }
 
-impl<S: Store> Store for Deadline<S> {
-    fn check(&self, check: Check) -> CheckFuture<'_> {
+impl<S: Store> Layer for Deadline<S> {
+    type Inner = S;
+
+    fn inner(&self) -> &S {
+        &self.inner
+    }
+
+    fn check_through(&self, check: Check) -> CheckFuture<'_> {
         // Owning its store, so that a late call can go on in a task of its
         // own: the store's own future, not one more box around it.
         let mut call = Arc::clone(&self.inner).check_owned(check);
@@ -87,21 +93,5 @@ impl<S: Store> Store for Deadline<S> {
 
     fn longest_wait(&self) -> Option<Duration> {
         Some(self.deadline)
-    }
-
-    fn backend(&self) -> &'static str {
-        self.inner.backend()
-    }
-
-    fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
-        self.inner.ready()
-    }
-
-    fn slot_owner(&self, slot: u16) -> Option<Arc<str>> {
-        self.inner.slot_owner(slot)
-    }
-
-    fn one_node(&self) -> bool {
-        self.inner.one_node()
     }
 }

@@ -62,9 +62,7 @@ pub use recent::{Recent, RecentShare};
 
 use crate::clock::Micros;
 use crate::metrics as m;
-use crate::store::{
-    BoxFuture, Check, CheckFuture, Checked, FailureMode, Source, Store, StoreError,
-};
+use crate::store::{Check, CheckFuture, Checked, FailureMode, Layer, Source, Store, StoreError};
 use crate::telemetry::TARGET;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -264,8 +262,14 @@ impl<S> Failover<S> {
     }
 }
 
-impl<S: Store> Store for Failover<S> {
-    fn check(&self, check: Check) -> CheckFuture<'_> {
+impl<S: Store> Layer for Failover<S> {
+    type Inner = S;
+
+    fn inner(&self) -> &S {
+        &self.inner
+    }
+
+    fn check_through(&self, check: Check) -> CheckFuture<'_> {
         CheckFuture::waiting(async move {
             let (permit, began) = self.breaker.permit();
             if permit != Permit::Skip {
@@ -333,26 +337,6 @@ impl<S: Store> Store for Failover<S> {
             self.local.fell_back();
             self.fall_back(&check)
         })
-    }
-
-    fn backend(&self) -> &'static str {
-        self.inner.backend()
-    }
-
-    fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
-        self.inner.ready()
-    }
-
-    fn slot_owner(&self, slot: u16) -> Option<Arc<str>> {
-        self.inner.slot_owner(slot)
-    }
-
-    fn one_node(&self) -> bool {
-        self.inner.one_node()
-    }
-
-    fn longest_wait(&self) -> Option<Duration> {
-        self.inner.longest_wait()
     }
 }
 

@@ -35,8 +35,7 @@
 use super::table::{KeyTable, micros};
 use crate::algorithm::{Decision, Limit};
 use crate::clock::Micros;
-use crate::store::{BoxFuture, Check, CheckFuture, Checked, Source, Store, StoreError};
-use std::sync::Arc;
+use crate::store::{Check, CheckFuture, Checked, Layer, Source, Store};
 use std::time::Duration;
 
 /// One remembered denial.
@@ -135,8 +134,14 @@ impl<S> DenyCache<S> {
     }
 }
 
-impl<S: Store> Store for DenyCache<S> {
-    fn check(&self, check: Check) -> CheckFuture<'_> {
+impl<S: Store> Layer for DenyCache<S> {
+    type Inner = S;
+
+    fn inner(&self) -> &S {
+        &self.inner
+    }
+
+    fn check_through(&self, check: Check) -> CheckFuture<'_> {
         if !check.deny_cache {
             return self.inner.check(check);
         }
@@ -149,25 +154,5 @@ impl<S: Store> Store for DenyCache<S> {
             }
             result
         })
-    }
-
-    fn backend(&self) -> &'static str {
-        self.inner.backend()
-    }
-
-    fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
-        self.inner.ready()
-    }
-
-    fn slot_owner(&self, slot: u16) -> Option<Arc<str>> {
-        self.inner.slot_owner(slot)
-    }
-
-    fn one_node(&self) -> bool {
-        self.inner.one_node()
-    }
-
-    fn longest_wait(&self) -> Option<Duration> {
-        self.inner.longest_wait()
     }
 }

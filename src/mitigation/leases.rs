@@ -50,10 +50,7 @@ use super::table::{KeyTable, micros};
 use crate::algorithm::{Decision, Limit};
 use crate::clock::Micros;
 use crate::key::BucketKey;
-use crate::store::{
-    BoxFuture, Check, CheckFuture, Checked, FailureMode, Source, Store, StoreError,
-};
-use std::sync::Arc;
+use crate::store::{Check, CheckFuture, Checked, FailureMode, Layer, Source, Store};
 use std::time::Duration;
 
 /// What this instance knows of one key: tokens it holds (maybe none),
@@ -226,8 +223,14 @@ impl<S> Leases<S> {
     }
 }
 
-impl<S: Store> Store for Leases<S> {
-    fn check(&self, check: Check) -> CheckFuture<'_> {
+impl<S: Store> Layer for Leases<S> {
+    type Inner = S;
+
+    fn inner(&self) -> &S {
+        &self.inner
+    }
+
+    fn check_through(&self, check: Check) -> CheckFuture<'_> {
         if check.lease == 0 {
             return self.inner.check(check);
         }
@@ -275,22 +278,6 @@ impl<S: Store> Store for Leases<S> {
             }
             result
         })
-    }
-
-    fn backend(&self) -> &'static str {
-        self.inner.backend()
-    }
-
-    fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
-        self.inner.ready()
-    }
-
-    fn slot_owner(&self, slot: u16) -> Option<Arc<str>> {
-        self.inner.slot_owner(slot)
-    }
-
-    fn one_node(&self) -> bool {
-        self.inner.one_node()
     }
 
     /// Two calls, one after the other, when a lease is not to be had.

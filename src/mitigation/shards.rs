@@ -47,8 +47,7 @@
 
 use crate::algorithm::{Decision, Limit, LimitError};
 use crate::key::{BucketKey, SLOTS};
-use crate::store::{BoxFuture, Check, CheckFuture, Checked, Store, StoreError};
-use std::sync::Arc;
+use crate::store::{Check, CheckFuture, Checked, Layer, Store};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
@@ -141,8 +140,14 @@ fn as_whole(checked: Checked, sub: Limit, check: &Check, shards: u16) -> Checked
     }
 }
 
-impl<S: Store> Store for Sharded<S> {
-    fn check(&self, check: Check) -> CheckFuture<'_> {
+impl<S: Store> Layer for Sharded<S> {
+    type Inner = S;
+
+    fn inner(&self) -> &S {
+        &self.inner
+    }
+
+    fn check_through(&self, check: Check) -> CheckFuture<'_> {
         if check.shards <= 1 {
             return self.inner.check(check);
         }
@@ -162,25 +167,5 @@ impl<S: Store> Store for Sharded<S> {
                 ..as_whole(checked, sub, &check, check.shards)
             })
         })
-    }
-
-    fn backend(&self) -> &'static str {
-        self.inner.backend()
-    }
-
-    fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
-        self.inner.ready()
-    }
-
-    fn slot_owner(&self, slot: u16) -> Option<Arc<str>> {
-        self.inner.slot_owner(slot)
-    }
-
-    fn one_node(&self) -> bool {
-        self.inner.one_node()
-    }
-
-    fn longest_wait(&self) -> Option<Duration> {
-        self.inner.longest_wait()
     }
 }

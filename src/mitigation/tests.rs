@@ -368,6 +368,103 @@ fn memory_is_bounded_and_expired_denials_make_room() {
     );
 }
 
+/// A store on a Redis node that is away: every layer of the stack must
+/// pass its readiness, its slot owners and its bound on, or `/readyz`, the
+/// hot-key detector and the front's timer would each see a healthy store.
+#[derive(Debug)]
+struct AwayNode;
+
+impl Store for AwayNode {
+    fn check(&self, _check: Check) -> crate::store::CheckFuture<'_> {
+        crate::store::CheckFuture::ready(Err(crate::store::StoreError::Unavailable {
+            retry_after: Duration::from_secs(1),
+        }))
+    }
+
+    fn backend(&self) -> &'static str {
+        "away"
+    }
+
+    fn longest_wait(&self) -> Option<Duration> {
+        Some(Duration::from_millis(3))
+    }
+
+    fn ready(&self) -> crate::store::BoxFuture<'_, Result<(), crate::store::StoreError>> {
+        Box::pin(std::future::ready(Err(
+            crate::store::StoreError::Unavailable {
+                retry_after: Duration::from_secs(1),
+            },
+        )))
+    }
+
+    fn slot_owner(&self, slot: u16) -> Option<Arc<str>> {
+        (slot == 7).then(|| Arc::from("10.0.0.7:7002"))
+    }
+
+    fn one_node(&self) -> bool {
+        false
+    }
+}
+
+/// What `store` answers besides checks, as a line to compare.
+async fn facts(store: &dyn Store) -> String {
+    format!(
+        "{} ready={} slot7={:?} slot8={:?} one_node={} longest_wait={:?}",
+        store.backend(),
+        store.ready().await.is_ok(),
+        store.slot_owner(7),
+        store.slot_owner(8),
+        store.one_node(),
+        store.longest_wait(),
+    )
+}
+
+#[tokio::test]
+async fn every_layer_passes_readiness_slots_and_bounds_on() {
+    use crate::failover::{Deadline, Failover, FailoverSettings, LocalShare};
+    use crate::mitigation::{Leases, Sharded};
+    use crate::store::{Counted, FailureMode};
+    let node = |wait: &str| {
+        format!(
+            "away ready=false slot7=Some(\"10.0.0.7:7002\") slot8=None one_node=false longest_wait=Some({wait})"
+        )
+    };
+    let settings = FailoverSettings {
+        instances: 1,
+        deadline: Duration::from_millis(20),
+        breaker_failures: 3,
+        breaker_cooldown: Duration::from_millis(500),
+        mode: FailureMode::Local,
+    };
+    let failover = Failover::new(AwayNode, &settings, LocalShare::new(1, 64, 1));
+    assert_eq!(facts(&AwayNode).await, node("3ms"));
+    assert_eq!(facts(&Counted::new(AwayNode)).await, node("3ms"));
+    assert_eq!(facts(&failover).await, node("3ms"));
+    assert_eq!(facts(&DenyCache::new(AwayNode, 64)).await, node("3ms"));
+    assert_eq!(facts(&Sharded::new(AwayNode)).await, node("3ms"));
+    // The layers that change the bound: a deadline sets it, a lease that
+    // is not to be had makes two calls.
+    assert_eq!(
+        facts(&Deadline::new(AwayNode, Duration::from_millis(20))).await,
+        node("20ms")
+    );
+    assert_eq!(facts(&Leases::new(AwayNode, 1, 64)).await, node("6ms"));
+    // The whole stack, as the server builds it around a shared store.
+    let stack = Sharded::new(DenyCache::new(
+        Leases::new(
+            Failover::new(
+                Counted::new(Deadline::new(AwayNode, Duration::from_millis(20))),
+                &settings,
+                LocalShare::new(1, 64, 1),
+            ),
+            1,
+            64,
+        ),
+        64,
+    ));
+    assert_eq!(facts(&stack).await, node("40ms"));
+}
+
 mod leases {
     use super::*;
     use crate::mitigation::{Leases, lease_life};

@@ -6,10 +6,8 @@
 //! and others never. This wrapper sits right above the backend (and its
 //! deadline) and counts each error once, by backend and kind.
 
-use super::{BoxFuture, Check, CheckFuture, CheckResult, Observe, Store, StoreError};
+use super::{Check, CheckFuture, CheckResult, Layer, Observe, Store};
 use crate::metrics as m;
-use std::sync::Arc;
-use std::time::Duration;
 
 /// Counts every error of the store it wraps in
 /// `ratelimit_store_errors_total{backend, kind}`.
@@ -38,29 +36,15 @@ impl<S> Counted<S> {
     }
 }
 
-impl<S: Store> Store for Counted<S> {
-    fn check(&self, check: Check) -> CheckFuture<'_> {
+impl<S: Store> Layer for Counted<S> {
+    type Inner = S;
+
+    fn inner(&self) -> &S {
+        &self.inner
+    }
+
+    fn check_through(&self, check: Check) -> CheckFuture<'_> {
         // Looked at, not wrapped: no box around a check that waits.
         self.inner.check(check).observe(self)
-    }
-
-    fn backend(&self) -> &'static str {
-        self.inner.backend()
-    }
-
-    fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
-        self.inner.ready()
-    }
-
-    fn slot_owner(&self, slot: u16) -> Option<Arc<str>> {
-        self.inner.slot_owner(slot)
-    }
-
-    fn one_node(&self) -> bool {
-        self.inner.one_node()
-    }
-
-    fn longest_wait(&self) -> Option<Duration> {
-        self.inner.longest_wait()
     }
 }

@@ -6,7 +6,7 @@
 //! or shape responses; those belong to the limiter and the middleware.
 //!
 //! Stores stack the way tower layers do: a wrapper holds a store and is a
-//! [`Store`] itself, so the layers are assembled in one place at start-up
+//! [`Layer`], so a [`Store`] itself, and the layers are assembled in one place at start-up
 //! (`server.rs`) and each stays a room of its own:
 //!
 //! ```text
@@ -353,14 +353,12 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// for one under a [`crate::failover::Deadline`], and `None` (the
     /// default, always safe) when nothing below is known to. The front
     /// service spares a check bounded within the request timeout its own
-    /// timer. Wrappers answer their inner store's, times the calls they
-    /// make one after the other.
+    /// timer.
     fn longest_wait(&self) -> Option<Duration> {
         None
     }
 
-    /// The backend's name, as used in metric labels and logs (wrappers
-    /// answer their backend's).
+    /// The backend's name, as used in metric labels and logs.
     fn backend(&self) -> &'static str;
 
     /// Whether the store can decide right now (for `/readyz`).
@@ -370,7 +368,7 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
 
     /// The node serving cluster `slot` now (`host:port`), for a store that
     /// keeps its state on Redis nodes; `None` for one that keeps it in this
-    /// process. Wrappers answer their inner store's.
+    /// process.
     fn slot_owner(&self, slot: u16) -> Option<Arc<str>> {
         let _ = slot;
         None
@@ -380,13 +378,61 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// or a standalone Redis (a Cluster's slots are on several nodes, and
     /// move). The hot-key detector then counts no slots: on one node a
     /// key's share is of all the store's calls, and a check spares its
-    /// key's CRC16 (about 380 instructions a Redis check, callgrind). The
-    /// default, one node when no node is named, is right for a store in
-    /// this process and safe for any other: a wrapper that does not pass
-    /// the question on costs only those instructions. Wrappers answer
-    /// their inner store's.
+    /// key's CRC16. The default, one node when no node is named, is right
+    /// for a store in this process.
     fn one_node(&self) -> bool {
         self.slot_owner(0).is_none()
+    }
+}
+
+/// A store that wraps another: it decides checks its own way and answers
+/// every other question with its inner store's, overriding only
+/// [`Layer::longest_wait`] when it changes the bound. Every wrapper of the
+/// stack is a `Layer` rather than a [`Store`] of its own, so none can
+/// forget to pass `/readyz`'s question or a slot's owner on: the one
+/// blanket `impl Store` below forwards them all (`tests/architecture.rs`
+/// refuses a wrapper that implements [`Store`] by hand).
+pub trait Layer: Send + Sync + fmt::Debug + 'static {
+    /// The store this layer wraps.
+    type Inner: Store;
+
+    /// The wrapped store.
+    fn inner(&self) -> &Self::Inner;
+
+    /// [`Store::check`] through this layer.
+    fn check_through(&self, check: Check) -> CheckFuture<'_>;
+
+    /// [`Store::longest_wait`] through this layer: the inner store's,
+    /// unless the layer bounds it (a deadline) or makes calls one after
+    /// the other (a lease that is not to be had).
+    fn longest_wait(&self) -> Option<Duration> {
+        self.inner().longest_wait()
+    }
+}
+
+impl<L: Layer> Store for L {
+    fn check(&self, check: Check) -> CheckFuture<'_> {
+        self.check_through(check)
+    }
+
+    fn longest_wait(&self) -> Option<Duration> {
+        Layer::longest_wait(self)
+    }
+
+    fn backend(&self) -> &'static str {
+        self.inner().backend()
+    }
+
+    fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        self.inner().ready()
+    }
+
+    fn slot_owner(&self, slot: u16) -> Option<Arc<str>> {
+        self.inner().slot_owner(slot)
+    }
+
+    fn one_node(&self) -> bool {
+        self.inner().one_node()
     }
 }
 
