@@ -12,7 +12,7 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-use testkit::{ChildGuard, RedisServer, TempDir, free_port, wait_for_port};
+use testkit::{ChildGuard, RedisServer, TempDir, free_port, wait_for_listener};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ratelimiter");
 
@@ -298,18 +298,20 @@ async fn scraped() -> Scraped {
     )
     .unwrap();
     let cgroup_port = free_port().unwrap();
-    children.push(ChildGuard(
+    let mut cgroups = ChildGuard(
         Command::new(repo("scripts/cgroup-exporter"))
             .arg(format!("127.0.0.1:{cgroup_port}"))
             .arg(&dir.0)
             .stdout(Stdio::null())
             .spawn()
             .expect("python3 runs scripts/cgroup-exporter"),
-    ));
-    wait_for_port(cgroup_port, "cgroup exporter").unwrap();
+    );
+    // This exporter, not another test's that took the same port first.
+    wait_for_listener(&mut cgroups, cgroup_port, "cgroup exporter").unwrap();
+    children.push(cgroups);
     // redis_exporter on its Redis.
     let exporter_port = free_port().unwrap();
-    children.push(ChildGuard(
+    let mut exporter = ChildGuard(
         Command::new("prometheus-redis-exporter")
             .args(["--redis.addr", &redis.url()])
             .args([
@@ -320,8 +322,9 @@ async fn scraped() -> Scraped {
             .stderr(Stdio::null())
             .spawn()
             .expect("prometheus-redis-exporter is installed (Debian package)"),
-    ));
-    wait_for_port(exporter_port, "redis exporter").unwrap();
+    );
+    wait_for_listener(&mut exporter, exporter_port, "redis exporter").unwrap();
+    children.push(exporter);
     // The instance: small limits, so throttling, near-limit and shadow
     // denials all happen under a little load.
     let api_port = free_port().unwrap();
@@ -334,7 +337,7 @@ async fn scraped() -> Scraped {
          [[policies]]\nname = \"orders-shadow\"\nroute = \"/api/orders\"\nburst = 2\nrate = 1\nshadow = true\n",
     )
     .unwrap();
-    children.push(ChildGuard(
+    let mut instance = ChildGuard(
         Command::new(BIN)
             .args([
                 "--listen",
@@ -351,8 +354,9 @@ async fn scraped() -> Scraped {
             .stdout(Stdio::null())
             .spawn()
             .unwrap(),
-    ));
-    wait_for_port(api_port, "ratelimiter").unwrap();
+    );
+    wait_for_listener(&mut instance, api_port, "ratelimiter").unwrap();
+    children.push(instance);
     // Prometheus: every second, with the repository's alert rules and its
     // relabelling of the cgroup counters (redis-1 is this node).
     let prometheus_port = free_port().unwrap();
@@ -382,7 +386,7 @@ async fn scraped() -> Scraped {
         ),
     )
     .unwrap();
-    children.push(ChildGuard(
+    let mut prometheus = ChildGuard(
         Command::new("prometheus")
             .arg(format!("--config.file={}", prometheus_config.display()))
             .arg(format!(
@@ -394,8 +398,9 @@ async fn scraped() -> Scraped {
             .stderr(Stdio::null())
             .spawn()
             .expect("prometheus is installed (Debian package)"),
-    ));
-    wait_for_port(prometheus_port, "prometheus").unwrap();
+    );
+    wait_for_listener(&mut prometheus, prometheus_port, "prometheus").unwrap();
+    children.push(prometheus);
     // Load until dropped: keyed (throttled past 20), anonymous, the shadow
     // policy's POSTs, a 404.
     let base = format!("http://127.0.0.1:{api_port}");
