@@ -1,6 +1,6 @@
 //! Reaching Redis the way a managed one demands, on real redis-server
 //! processes: TLS (a CA file, client certificates, a cluster), a password,
-//! the least-privilege ACL the README documents, and the errors an
+//! the least-privilege ACL docs/redis.md documents, and the errors an
 //! operator must tell apart (`oom`, `auth`, `noperm`, `tls`).
 
 mod support;
@@ -21,7 +21,7 @@ use testkit::{RedisCluster, RedisServer, TestCerts};
 const T0: u64 = 1_800_000_000_000_000;
 const HOUR: u64 = 3_600_000_000;
 
-/// Settings for `urls` under the README's default prefix (its ACL names
+/// Settings for `urls` under the default prefix (its ACL names
 /// `~rl:*`), with timeouts for a shared test machine.
 fn settings(urls: Vec<String>, cluster: bool) -> RedisSettings {
     RedisSettings {
@@ -330,12 +330,12 @@ async fn a_missing_or_wrong_password_is_auth() {
     );
 }
 
-/// The README's ACL lines (its least-privilege section), each a list of
+/// The minimal ACL's lines (docs/redis.md), each a list of
 /// `ACL SETUSER` arguments, by what they are for: `base` (every lua
 /// deployment), an algorithm's name, `naive`, `cluster`.
 fn readme_acl() -> Vec<(Vec<String>, Vec<String>)> {
     let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/redis.md")).unwrap();
     let mut lines = Vec::new();
     for line in readme.lines() {
         let Some(rest) = line.strip_prefix("redis-cli ACL SETUSER ratelimiter ") else {
@@ -352,7 +352,7 @@ fn readme_acl() -> Vec<(Vec<String>, Vec<String>)> {
             .collect();
         lines.push((tags, args));
     }
-    assert!(lines.len() >= 5, "the README's ACL lines: {lines:?}");
+    assert!(lines.len() >= 5, "the minimal ACL lines: {lines:?}");
     lines
 }
 
@@ -367,7 +367,7 @@ fn acl_for(lines: &[(Vec<String>, Vec<String>)], tags: &[&str]) -> Vec<String> {
             any = true;
             out.extend(args.iter().cloned());
         }
-        assert!(any, "the README has no ACL line for {tag}");
+        assert!(any, "docs/redis.md has no ACL line for {tag}");
     }
     out
 }
@@ -440,7 +440,7 @@ async fn round(redis: &RedisServer, what: &str) -> Result<(), StoreError> {
     }
 }
 
-/// The README's minimal ACL, per backend and algorithm, is enough for
+/// The minimal ACL, per backend and algorithm, is enough for
 /// everything the service sends, and every permission in it is needed:
 /// without any one of them something fails, as `noperm`.
 #[tokio::test]
@@ -478,7 +478,7 @@ async fn the_readme_acl_is_exactly_enough() {
     }
 }
 
-/// The README's cluster lines on every node: a cluster connection reads
+/// The minimal ACL.s cluster lines on every node: a cluster connection reads
 /// the slot map (CLUSTER SLOTS) and follows redirects (ASKING); without
 /// the slot map it cannot decide.
 #[tokio::test]
@@ -550,7 +550,7 @@ async fn the_readme_acl_is_enough_in_a_cluster() {
     assert_eq!(err.kind(), "noperm", "without +cluster|slots: {err}");
 }
 
-/// The service with exactly the README's default ACL: every decision from
+/// The service with exactly the documented default ACL: every decision from
 /// Redis, ready, nothing refused. Take a permission away and the checks
 /// fail over, counted as `noperm`; take PING away and `/readyz` says
 /// `noperm` too (the same label, never `auth` for one and `server` for

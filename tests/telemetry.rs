@@ -247,7 +247,7 @@ async fn get(port: u16, traceparent: Option<&str>) -> u16 {
 }
 
 /// The spans of one trace as a tree, root first (printed by the tests;
-/// the README shows one).
+/// docs/observability.md shows one).
 fn tree(spans: &[ReceivedSpan]) -> String {
     fn walk(spans: &[ReceivedSpan], parent: &str, depth: usize, out: &mut String) {
         for span in spans.iter().filter(|s| s.parent_span_id == parent) {
@@ -290,7 +290,7 @@ fn by_name<'a>(spans: &'a [ReceivedSpan], name: &str) -> &'a ReceivedSpan {
 
 /// The caller's trace goes on through the server span, the limiter's check
 /// and the Redis call, each the parent of the next, with the attributes
-/// the README lists and no key or credential, over either transport.
+/// docs/observability.md lists and no key or credential, over either transport.
 async fn one_request_is_one_trace(protocol: &str) {
     let redis = RedisServer::start().unwrap();
     let receiver = OtlpReceiver::start().await.unwrap();

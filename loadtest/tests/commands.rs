@@ -261,10 +261,10 @@ fn csv_fields(line: &str) -> Vec<String> {
     fields
 }
 
-/// The comparison on the README's policy (100 at 10/s, W = 10 s; fewer keys
+/// The comparison on the documented policy (100 at 10/s, W = 10 s; fewer keys
 /// for the memory and cost runs): each algorithm keeps (or breaks) the
 /// promise it makes, measured through its script on a real Redis, and the
-/// README's accuracy columns are exactly what it measures (the traffic is
+/// accuracy columns of docs/algorithms.md are exactly what it measures (the traffic is
 /// seeded and the time simulated, so they reproduce).
 #[test]
 fn compare_shows_each_algorithm_keeping_its_promise() {
@@ -293,7 +293,7 @@ fn compare_shows_each_algorithm_keeping_its_promise() {
             .unwrap_or_else(|| panic!("no row {shape}/{algorithm}"))
             .clone()
     };
-    // The README's table: most admitted in any window over the limit, by
+    // docs/algorithms.md's table: most admitted in any window over the limit, by
     // shape (boundary, idle-burst, steady, poisson).
     let readme = [
         ("token_bucket", ["1.01", "1.99", "1.99", "1.94"]),
@@ -336,7 +336,7 @@ fn compare_shows_each_algorithm_keeping_its_promise() {
         }
     }
     // The fixed window's failure, measured: exactly 2x at the boundary,
-    // 98.5 requests beyond what one bucket allows (the README's figure).
+    // 98.5 requests beyond what one bucket allows (docs/algorithms.md's figure).
     assert_eq!(get("boundary", "fixed_window")["worst_in_window"], "200");
     assert_eq!(
         get("boundary", "fixed_window")["excess_over_bucket"],
@@ -485,7 +485,7 @@ fn lua_bench_runs_both_scripts_on_every_path_and_they_agree() {
 /// `loadtest mitigations`, tiny: one load step of one second, one repeat,
 /// and a one-second throughput run on the capped cluster. Every mitigation
 /// admits at most what one exact bucket admits (over-admission 0, the
-/// property the README's table shows), and sharding spreads the hot key's
+/// property docs/hot-keys.md's table shows), and sharding spreads the hot key's
 /// calls over the three nodes.
 #[test]
 fn mitigations_never_over_admit_and_sharding_spreads_the_calls() {

@@ -54,7 +54,7 @@
 //! | `[[policies]]` | file only | one policy `api`: route `/api/`, burst 100, 10/s |
 //!
 //! The defaults are declared once, in [`file::Settings::default`]; the flags'
-//! help quotes them, and a test holds this table and the README's to them.
+//! help quotes them, and a test holds this table and docs/configuration.md's to them.
 //! A policy's `algorithm` (default `token_bucket`; `gcra`, `fixed_window`,
 //! `sliding_window`; `sliding_log` needs backend `lua`) reads the same
 //! `burst`/`rate`/`per`: see [`crate::algorithm`].

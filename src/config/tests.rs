@@ -28,7 +28,7 @@ fn no_file_gives_the_documented_defaults() {
     assert_eq!(p.anonymous, p.limit);
     assert!(p.methods.is_empty() && p.failure_mode.is_none());
     assert!(!p.shadow && !p.deny_cache && p.lease == 0 && p.shards == 1);
-    // Redis, as the README's table says.
+    // Redis, as docs/configuration.md says.
     let r = &c.redis;
     assert_eq!(r.urls, ["redis://127.0.0.1:6379"]);
     assert!(!r.cluster);
@@ -260,7 +260,7 @@ fn check_defaults_table(name: &str, text: &str) -> usize {
 #[test]
 fn the_docs_state_the_declared_defaults() {
     let root = env!("CARGO_MANIFEST_DIR");
-    for file in ["README.md", "src/config/mod.rs"] {
+    for file in ["docs/configuration.md", "src/config/mod.rs"] {
         let text = std::fs::read_to_string(format!("{root}/{file}")).unwrap();
         let checked = check_defaults_table(file, &text);
         assert!(checked >= 15, "{file}: only {checked} defaults found");

@@ -92,7 +92,7 @@ impl StoreError {
 
 /// Every label [`StoreError::kind`] can return: the bounded label set of
 /// `ratelimit_store_errors_total{kind}`, `ratelimit_redis_errors_total{kind}`
-/// and `/readyz`'s `error` (the README's metrics table lists them all).
+/// and `/readyz`'s `error` (docs/observability.md lists them all).
 pub const KINDS: &[&str] = &[
     "cost_exceeds_burst",
     "unsupported_algorithm",
@@ -123,8 +123,8 @@ pub const KINDS: &[&str] = &[
 /// `maxmemory` with `noeviction`: free memory or raise the limit), `auth`
 /// (no password or a wrong one: the URL's credentials), `noperm` (the ACL
 /// user may not run a command the service sends, or touch its keys: the
-/// ACL, see the README's least-privilege section), `tls` (the handshake or
-/// a certificate). Any other error the server sent is `server`; `client`
+/// ACL, see docs/redis.md, "The minimal ACL"), `tls` (the handshake or a
+/// certificate). Any other error the server sent is `server`; `client`
 /// is left for errors the client library raised itself.
 pub fn redis_error_kind(e: &::redis::RedisError) -> &'static str {
     use ::redis::{ErrorKind, ServerErrorKind};
@@ -283,15 +283,16 @@ mod tests {
         assert_eq!(redis_error_kind(&client), "client");
     }
 
-    /// The README's metrics table and the Redis runbook name every label.
+    /// The metrics table (docs/observability.md) and the Redis runbook name
+    /// every label.
     #[test]
     fn every_kind_is_documented() {
         let root = env!("CARGO_MANIFEST_DIR");
-        let readme = std::fs::read_to_string(format!("{root}/README.md")).unwrap();
-        let row = readme
+        let docs = std::fs::read_to_string(format!("{root}/docs/observability.md")).unwrap();
+        let row = docs
             .lines()
             .find(|l| l.starts_with("| `ratelimit_store_errors_total`"))
-            .expect("the README's metrics table has a store errors row");
+            .expect("the metrics table has a store errors row");
         let runbook = std::fs::read_to_string(format!("{root}/runbooks/redis-down.md")).unwrap();
         // `unavailable` is the failure policy's own answer, made above the
         // count; the refusals of a request never reach Redis.
@@ -299,7 +300,7 @@ mod tests {
         for kind in counted.clone() {
             assert!(
                 row.contains(&format!("`{kind}`")),
-                "README metrics table: {kind}"
+                "docs/observability.md metrics table: {kind}"
             );
         }
         let from_redis =
