@@ -10,7 +10,7 @@
 //! 4 096 records inside the timed loop, so its draining is counted as the
 //! service pays it. In a loop the caches stay warm: what the request path
 //! also saves in cache lines touched shows in callgrind's cache simulation
-//! instead (docs/load/http-cost/summary.md).
+//! instead (docs/http-cost.md).
 //!
 //! `cargo bench --bench histogram_record`
 

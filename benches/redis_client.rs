@@ -11,12 +11,12 @@
 //!
 //! Each criterion "iteration" is one check, and its time is this process's
 //! CPU time (`CLOCK_PROCESS_CPUTIME_ID`: user and system, every thread),
-//! not wall time: encoding the EVALSHA, the multiplexed connection's
-//! driver, the socket syscalls, decoding the reply, the futures. Two
-//! shapes, each at three depths (1: each check waits for its answer, and
-//! pays its own write and read syscalls; 16 and 64: that many concurrent
-//! checks pipelined on the one connection, as under load, a batch sharing
-//! one write and one read):
+//! not wall time: encoding the EVALSHA, the connection's driver, the
+//! socket syscalls, decoding the reply, the futures. Two shapes, each at
+//! three depths (1: each check waits for its answer, and pays its own
+//! write and read syscalls; 16 and 64: that many concurrent checks
+//! pipelined on the one connection, as under load, a batch sharing one
+//! write and one read):
 //!
 //! - `N_in_flight`: N checks at a time in one `FuturesUnordered`, on
 //!   tokio's current-thread runtime (all one thread's work).
@@ -24,17 +24,17 @@
 //!   task (the service's is the request's connection task), N tasks each
 //!   checking in a loop, on a multi-thread runtime with one worker, as a
 //!   service pinned to one core has (`BENCH_WORKERS=2` gives it two, both
-//!   on the CPU the bench is pinned to). This shape showed what the first
-//!   hid: a task woken by the running task runs next (tokio's LIFO slot),
-//!   so the connection's driver wrote each check in its own syscall until
-//!   it learned to yield once under concurrency (`src/store/redis/pipe.rs`,
-//!   `Connection::take_output`).
+//!   on the CPU the bench is pinned to). This shape shows what the first
+//!   hides: a task woken by the running task runs next (tokio's LIFO
+//!   slot), so a driver that wrote at once would write each check in its
+//!   own syscall; it yields once under concurrency instead
+//!   (`src/store/redis/pipe.rs`, `Connection::take_output`).
 //!
 //! Redis's side over the same window (warm-up included, as for ours):
 //! `INFO commandstats` (`usec` per EVALSHA: the script's own time) and
 //! `INFO cpu` (the whole server per check, its networking included). After
 //! each bench a line prints both and the ratios ours / Redis's; the figures
-//! are in docs/redis.md.
+//! are in docs/performance.md ("Client side of a Redis check").
 //!
 //! Every check is admitted (a bucket far larger than the traffic) on
 //! 10 000 keys: the script's write path, the costlier one. The service's
@@ -42,10 +42,8 @@
 //! recorder (each call's duration goes into its node's histogram) and the
 //! log subscriber, under which the Redis span's callsite is disabled (no
 //! trace endpoint). Without a subscriber, `tracing` hands every span to
-//! the `log` crate instead, a path the service never takes (callgrind:
-//! 6 039 instructions a check without a subscriber and recorder, 5 766
-//! with them, the histogram's recording included, in the same change as
-//! `write_number`'s single append).
+//! the `log` crate instead, a path the service never takes and whose cost
+//! would be counted as the client's.
 
 use criterion::measurement::WallTime;
 use criterion::{BenchmarkGroup, Criterion, criterion_group};

@@ -49,11 +49,10 @@ pub struct Health {
 /// What handlers share: [`AppFields`] behind one reference count, which
 /// is all a clone costs. axum clones a route's state twice a request
 /// (with the route's service, then for the handler's call), whether the
-/// handler reads it or not; with the fields cloned one by one that was
-/// five or six reference counts (by backend) taken and given back each
-/// time (callgrind: about 130 instructions a request, and 20 to 24 atomic
-/// updates where there are now 4). Reads go
-/// through to the fields (`state.limiter`).
+/// handler reads it or not; with the fields cloned one by one that would
+/// be five or six reference counts (by backend) taken and given back each
+/// time, every one an atomic update. Reads go through to the fields
+/// (`state.limiter`).
 #[derive(Debug, Clone)]
 pub struct AppState(Arc<AppFields>);
 

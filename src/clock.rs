@@ -41,10 +41,11 @@ impl Clock for SystemClock {
 
 /// The wall clock, read through the CPU's time-stamp counter.
 ///
-/// `SystemTime::now()` is a `clock_gettime` call, 35-60 ns on a virtual
-/// machine: more than the whole in-memory check. This clock reads the TSC
-/// through `quanta` (about 13 ns, what governor uses) and adds an offset to
-/// the wall clock. Two things keep it honest:
+/// `SystemTime::now()` is a `clock_gettime` call, which on a virtual
+/// machine can cost more than the whole in-memory check. This clock reads
+/// the TSC through `quanta` (as governor does), which costs much less,
+/// and adds an offset to the wall clock (compared in
+/// docs/bench-memory.md). Two things keep it honest:
 /// - it re-reads the wall clock at least every `resync` (1 s by default),
 ///   so TSC calibration error and NTP slewing cannot accumulate: instances
 ///   sharing state in Redis stay as close as their wall clocks are;
@@ -95,8 +96,8 @@ impl FastClock {
 impl FastClock {
     /// The once-a-second path of [`FastClock::now`], out of line so the
     /// every-check path stays a counter read, a compare and an add (with
-    /// it inline, `now` kept a stack frame for `SystemTime` on every call:
-    /// 35 instructions against 16 for governor's quanta clock, callgrind).
+    /// it inline, `now` would keep a stack frame for `SystemTime` on every
+    /// call).
     #[cold]
     #[inline(never)]
     fn resync(&self, mono: Micros, due: Micros) -> Option<Micros> {

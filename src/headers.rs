@@ -49,10 +49,9 @@ pub fn retry_after_secs(decision: &Decision) -> u64 {
 /// Every value is written into one buffer, digits by `itoa`, and each
 /// header value is a slice of it. The buffer is held inline in the one
 /// allocation that also holds its reference count (`Bytes::from_owner`),
-/// so the five or six values cost one allocation. (A profile of the
-/// limited route showed a `String` per `format!`, a `Bytes` per value and
-/// the `fmt` machinery under them; then, with one `Vec`, a second
-/// allocation when its `Bytes` was first sliced.)
+/// so the five or six values cost one allocation: a `String` per
+/// `format!` would allocate per value and run the `fmt` machinery, and a
+/// `Vec` turned into `Bytes` allocates again when it is first sliced.
 #[derive(Debug, Clone, Default)]
 pub struct RateLimitFields {
     /// Every value's bytes, one after another; empty for no fields.
@@ -186,8 +185,8 @@ impl RateLimitFields {
     /// The values are cut from the one buffer here rather than when the
     /// fields are made: the fields travel by value from the decision to
     /// the response, and kept this small (a `Bytes` and six offsets
-    /// instead of six header values, 240 bytes) they move in registers
-    /// rather than by `memcpy`. Digits always make a header value; the two
+    /// instead of six header values) they move in registers rather than
+    /// by `memcpy`. Digits always make a header value; the two
     /// structured fields do for a validated name, and a value that is no
     /// header value is left out.
     pub fn write_to(self, headers: &mut HeaderMap) {
@@ -220,13 +219,11 @@ impl RateLimitFields {
 /// `bytes[span]` as a header value; `None` if empty or no header value.
 ///
 /// Not inlined: made inside [`RateLimitFields::write_to`] for each of
-/// the six values, the value's validation was compiled in six times, and
-/// every line of code a request runs costs it an instruction-cache miss
-/// (every server here runs more code a request than that cache holds; see
-/// `scripts/http-instructions`). One copy, called per value, took the
-/// memory-limited route from 1 385 simulated misses a request to
-/// 1 330-1 333 (`write_to` itself 65 -> 16, this function 8), for the
-/// same instructions within their spread.
+/// the six values, the value's validation would be compiled in six times,
+/// and every line of code a request runs costs it an instruction-cache
+/// miss (every server here runs more code a request than that cache
+/// holds; see `scripts/http-instructions`). One copy, called per value,
+/// runs the same instructions from fewer cache lines.
 #[inline(never)]
 fn cut(bytes: &Bytes, span: std::ops::Range<usize>) -> Option<HeaderValue> {
     if span.is_empty() {

@@ -284,7 +284,7 @@ const X_FORWARDED_FOR: http::HeaderName = http::HeaderName::from_static("x-forwa
 
 /// What a request's headers present to identify it by, found in one pass
 /// over them. Looking up `X-Api-Key`, `Authorization` and
-/// `X-Forwarded-For` by name hashed each name and probed the map, three
+/// `X-Forwarded-For` by name would hash each name and probe the map, three
 /// times a request, most times to find nothing: comparing each header's
 /// name to the three costs less for any request of usual size (a name
 /// of another length differs at its length, a standard one at its tag).

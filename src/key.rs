@@ -26,13 +26,14 @@ impl BucketKey {
 
     /// The key as 32 lowercase hex digits, as [`fmt::Display`] writes it
     /// and Redis keys carry it, without a formatter: a Lua check writes it
-    /// straight into its command (`{:032x}` through `fmt` was 5 % of the
-    /// client's CPU per check, docs/redis.md).
+    /// straight into its command, and `{:032x}` through `fmt` would be a
+    /// visible share of the client's CPU per check (docs/performance.md,
+    /// "Client side of a Redis check").
     pub fn hex(self) -> [u8; 32] {
         let mut hex = [0u8; 32];
         let digits = b"0123456789abcdef";
-        // A byte at a time: shifting the u128 for each digit cost twice as
-        // many instructions (callgrind).
+        // A byte at a time: shifting the u128 for each digit costs more
+        // instructions.
         for (pair, byte) in hex.chunks_exact_mut(2).zip(self.0.to_be_bytes()) {
             pair[0] = digits[usize::from(byte >> 4)];
             pair[1] = digits[usize::from(byte & 0xf)];
@@ -90,8 +91,9 @@ impl fmt::Display for BucketKey {
 /// The [`Hasher`] of maps keyed by bucket keys: it passes a key's low 64
 /// bits through. A keyed hash is uniform already and no client can steer
 /// it (see [`BucketKey`]), so hashing it again, with SipHash as std's maps
-/// do, is wasted work: half of the hot-key detector's instructions per
-/// request (callgrind, docs/load/http-cost).
+/// do, is wasted work on the request path, where the hot-key detector, the
+/// mitigations' tables and the in-process store look keys up
+/// (docs/http-cost.md).
 #[derive(Debug, Default, Clone, Copy)]
 pub struct KeyBits(u64);
 

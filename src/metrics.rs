@@ -162,11 +162,10 @@ pub const ALL: &[&str] = &[
 
 /// Buckets for `*_seconds` histograms: from 10 µs (an in-memory check) to
 /// 1 s, dense around the 0.25–5 ms a Redis round trip takes (a quantile
-/// is interpolated inside its bucket: with 2 and 5 ms neighbours, every
-/// check of 2.3 ms read as "3.5 ms"; `loadtest capacity` showed it), and
-/// either side of the default 10 ms deadline: a check decided at its
-/// deadline takes a little over 10 ms, which between 10 and 25 ms read as
-/// "24 ms" at the 99th percentile of a saturated node's checks.
+/// is interpolated inside its bucket: with 2 and 5 ms neighbours, checks
+/// that all take 2.3 ms read as "3.5 ms"), and either side of the default
+/// 10 ms deadline: a check decided at its deadline takes a little over
+/// 10 ms, which one bucket from 10 to 25 ms would report as up to 25 ms.
 pub const SECONDS_BUCKETS: &[f64] = &[
     0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.000_75, 0.001, 0.001_5, 0.002,
     0.002_5, 0.003, 0.004, 0.005, 0.007_5, 0.01, 0.012_5, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
@@ -177,16 +176,17 @@ pub const SECONDS_BUCKETS: &[f64] = &[
 /// its first use, as the `counter!`-style macros would, and kept.
 ///
 /// The macros build a `Key` (a label vector, owned strings) and look it
-/// up in the recorder's registry on every call; a profile of the limited
-/// route showed that lookup (`Registry::get_or_create_*`, `Key::eq`), the
-/// route label's `String` and the allocations under them. Here the label
-/// values are the map key: `&'static str`s, a policy's `Arc<str>`, a
-/// status code. A series still appears only once used, as before.
+/// up in the recorder's registry on every call: that lookup
+/// (`Registry::get_or_create_*`, `Key::eq`), the route label's `String`
+/// and the allocations under them would run on every request. Here the
+/// label values are the map key: `&'static str`s, a policy's `Arc<str>`,
+/// a status code. A series still appears only once used, as with the
+/// macros.
 ///
 /// Hashed with FxHash rather than SipHash: the keys are our own label
 /// values (names from the config, constants, status codes), never a
-/// client's bytes, so there is no flooding to resist, and SipHash was most
-/// of the cost of the three lookups a limited request makes (callgrind).
+/// client's bytes, so there is no flooding to resist, and SipHash would be
+/// most of the cost of the lookups a limited request makes.
 #[derive(Debug)]
 pub struct Handles<K, H> {
     map: RwLock<HashMap<K, H, rustc_hash::FxBuildHasher>>,

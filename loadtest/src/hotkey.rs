@@ -31,11 +31,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// How fast a surge over its limit goes, unless told: well over what one
-/// Redis node capped as in both stacks serves (about 2,000 checks a second
-/// on the 2-core VM; `runbooks/hot-key.md`), with room for a faster
-/// machine, and within what the load generator, nginx and three instances
-/// answer on 2 cores without taking the machine once a mitigation answers
-/// the surge in the instances.
+/// Redis node capped as in both stacks serves (docs/stack.md, "A twentieth
+/// of a core per Redis node"), with room for a faster machine, and within
+/// what the load generator, nginx and three instances answer on 2 cores
+/// without taking the machine once a mitigation answers the surge in the
+/// instances.
 pub const DEFAULT_SURGE_RATE: u64 = 8000;
 /// The partner's pace, unless told: admitted (its limit is 10,000 a
 /// second), more than its one node serves on the 2-core VM (a node's calls

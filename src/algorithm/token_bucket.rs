@@ -121,11 +121,11 @@ pub fn check_within(
 /// `now` lags the state's own instant (a clock stepped back).
 ///
 /// Two words and a flag, so it leaves a store's lock in registers and the
-/// decision (56 bytes: two `Duration`s) is built once, after the lock, where
-/// the caller wants it. Built under the lock instead, the decision was
+/// decision (two `Duration`s and more) is built once, after the lock, where
+/// the caller wants it. Built under the lock instead, the decision would be
 /// written piecewise to the stack and copied out with wider loads, which
-/// the CPU cannot forward from narrower stores: `perf record` put a quarter
-/// of the in-memory check on that copy (docs/bench-memory.md).
+/// the CPU cannot forward from narrower stores: a stall on the in-memory
+/// check's hot path (docs/bench-memory.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Spent {
     /// Whether the request was admitted (and its cost deducted).

@@ -9,10 +9,10 @@
 //!
 //! # Late answers
 //! Missing the deadline does not prove Redis slow: on an instance whose CPU
-//! is saturated, Redis answers in its usual 0.1 ms and the answer waits in
-//! the socket until the runtime gets to it. Blaming Redis for that opened
-//! every breaker of a CPU-bound fleet and sent a tenth of its decisions to
-//! the local share. So the call is not dropped at the deadline: it goes on
+//! is saturated, Redis answers as quickly as ever and the answer waits in
+//! the socket until the runtime gets to it. Blaming Redis for that would
+//! open every breaker of a CPU-bound fleet and send its decisions to the
+//! local share. So the call is not dropped at the deadline: it goes on
 //! in the background for the rest of its allowance (`late_within`, the
 //! Redis client's own response timeout in the service), and the
 //! [`Late`] in the error says, when it ends, whether the store answered.

@@ -90,10 +90,11 @@ pub const RECENT_WINDOW: Duration = Duration::from_secs(10);
 
 /// The share of recent checks decided by the failure mode from which
 /// `/readyz` calls an instance degraded although the breaker is closed and
-/// Redis answers a PING. On a quiet instance deadline misses decide under
-/// 1 % (`loadtest outage`: 0 to 8 of about 1200); a CPU-starved one sent
-/// 10 % to the local share, and a flapping breaker 95 %. At 5 % a client
-/// already meets the local share's smaller limit one request in twenty.
+/// Redis answers a PING. It sits well above what deadline misses decide on
+/// a quiet instance and well below what a CPU-starved instance or a
+/// flapping breaker sends to the fallback (measured in docs/failover.md);
+/// at 5 % a client already meets the local share's smaller limit one
+/// request in twenty.
 pub const DEGRADED_SHARE: f64 = 0.05;
 
 /// A shared handle on a [`Failover`]'s breaker: what `/readyz` reports.

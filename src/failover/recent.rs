@@ -2,9 +2,10 @@
 //! method takes `now`, nothing reads a clock.
 //!
 //! The breaker's state says what it is doing this instant, and a PING says
-//! Redis answers this instant; neither says that over the last ten seconds
-//! the breaker opened sixteen times and the local share made 95 % of the
-//! decisions (each instance then admitting a third of a client's limit).
+//! Redis answers this instant; neither says that over the last seconds the
+//! breaker opened again and again and the local share made most of the
+//! decisions (each instance then admitting only its share of a client's
+//! limit).
 //! This counts, over a sliding window, the checks the failure policy saw
 //! and those its failure mode decided, and the times the breaker opened:
 //! what `/readyz` and `ratelimit_fallback_share` report.

@@ -227,7 +227,7 @@ async fn the_breaker_stops_calling_a_failing_store_then_probes_once() {
 /// proves the store alive: the request was decided by its failure mode at
 /// the deadline, but the breaker does not count a failure. (What a starved
 /// instance sees: the answer waits in the socket, not in Redis.) One that
-/// is not answered within the allowance is a failure, as before.
+/// is not answered within the allowance is a failure.
 #[tokio::test(start_paused = true)]
 async fn late_answers_keep_the_breaker_closed_and_missing_ones_open_it() {
     let store = Switch::new();

@@ -5,12 +5,11 @@
 //! with their time to blocks it drains into buckets on upkeep: a record
 //! reads the clock, pins crossbeam's epoch and makes two more atomic
 //! updates, and every few dozen samples allocates a block. A limited
-//! request records two (its duration and its check's), which callgrind's
-//! cache simulation showed as one of the larger shares of what the
-//! request path touches beyond tower_governor's. Here a record finds its
-//! bucket among the bounds and makes two relaxed atomic updates (the
-//! bucket, the sum); the count is the buckets' total, so a scrape never
-//! sees a count that disagrees with its buckets.
+//! request records two (its duration and its check's), so all of that is
+//! memory the request path touches on every request (docs/http-cost.md).
+//! Here a record finds its bucket among the bounds and makes two relaxed
+//! atomic updates (the bucket, the sum); the count is the buckets' total,
+//! so a scrape never sees a count that disagrees with its buckets.
 //!
 //! [`Buckets`] is a [`Recorder`] layer: `*_seconds` histograms are
 //! registered here, everything else (and every other description) goes

@@ -21,11 +21,11 @@
 //!    `http_server_request_duration_seconds` by route, method and status.
 //!
 //! One service rather than a layer per step: axum clones a route's whole
-//! nest of boxed layers on every request, and each layer boxed its own
-//! future, so a profile of the unlimited route showed 28 allocations a
-//! request more than a bare axum handler's. The deadline's timer is armed
-//! only if the work does not finish on its first poll, so an in-process
-//! check on a route that reads no body never touches the timer wheel; and
+//! nest of boxed layers on every request, and each layer boxes its own
+//! future: allocations on every request that a bare axum handler does not
+//! make. The deadline's timer is armed only if the work does not finish on
+//! its first poll, so an in-process check on a route that reads no body
+//! never touches the timer wheel; and
 //! not over a check that the store stack bounds within the timeout (by the
 //! Redis deadline), whose answer comes in time without it. The deadline is
 //! an instant, the request's start plus the timeout, so arming the timer
@@ -35,35 +35,20 @@
 //! take it: it stays where the connection's service put it, in the future
 //! hyper keeps, and is taken out (`mem::take`, which leaves an empty
 //! request behind) only when the handler is called. A future keeps
-//! everything its `async` block captured for its whole life, and a
-//! request is 240 bytes, so taken by value it was held once by each step
-//! (the connection's service, [`Front::answer`], `route`, the limited
-//! route's work). Those steps are also functions returning an `async
-//! move` block rather than `async fn`s, whose futures hold each argument
-//! twice (as captured, and as the local the body moves it into). The
-//! future hyper moves into place on every request was 1 344 bytes, where
-//! it was 2 336 with the request taken by value (`-Zprint-type-sizes`,
-//! rustc 1.95; with two more cuts below it, in `within` and
-//! `Limiter::decide`; the answer's future inside it has grown by 64
-//! bytes since, to 1 104, with the deadline as an instant and the
-//! check's onlooker slot); with `async fn`s, the answer's own future was
-//! 2 848 bytes where the `async move` blocks made it 1 952 (an older
-//! rustc). Moving a future copies all of it, and a larger one spreads
-//! each request over more cache lines: callgrind's cache simulation
-//! counts 251 to 260 first-level data misses a request on the
-//! memory-limited route where it counted 288 and 289, and 107 to 110 on
-//! the unlimited one where it counted 129 and 131 (what
-//! `D1=32768 scripts/http-instructions` counts now), for 117 and 12
-//! instructions fewer (counted in the same hour; the counts of one
-//! binary differ by up to a hundred between runs).
+//! everything its `async` block captured for its whole life, so a request
+//! taken by value would be held once by each step (the connection's
+//! service, [`Front::answer`], `route`, the limited route's work). Those
+//! steps are also functions returning an `async move` block rather than
+//! `async fn`s, whose futures hold each argument twice (as captured, and
+//! as the local the body moves it into). Moving a future copies all of
+//! it, and a larger one spreads each request over more cache lines
+//! (measured in docs/http-cost.md).
 //!
 //! The server passes the peer address to [`Front::answer`] as an argument
 //! rather than as a `ConnectInfo` extension: the first extension a request
 //! gets allocates its type map (three allocations, freed with the
-//! request). callgrind: 294 instructions fewer a request on the unlimited
-//! route (17 238 -> 16 944), 412 on the memory-limited one (24 356 ->
-//! 23 944); with axum's `matched-path` feature off as well, the request's
-//! extensions stay empty.
+//! request); with axum's `matched-path` feature off as well, the
+//! request's extensions stay empty.
 
 use super::Verdict;
 use super::routes::{Route, Routes};
@@ -259,12 +244,9 @@ impl Front {
     ) -> impl Future<Output = Option<Response>> + 'a {
         async move {
             // A check the store stack bounds within the request timeout
-            // (twice the Redis deadline under leases: 20 ms by default,
-            // against 30 s) is not put under the request's timer as well.
-            // One timer less a check that waits: `loadtest http-cost` at
-            // 32 connections, the lua route's CPU beyond the memory
-            // route's against Redis's went from 0.55-0.61x to 0.51-0.53x
-            // in alternated runs (docs/redis.md).
+            // (twice the Redis deadline under leases) is not put under the
+            // request's timer as well: one timer less for every check that
+            // waits (docs/performance.md, "Redis checks over HTTP").
             let outcome = if bounded {
                 limiting.check(request.headers(), peer).await
             } else {

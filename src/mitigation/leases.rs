@@ -35,7 +35,7 @@
 //! **Unused tokens expire**, they are never handed back: giving tokens
 //! back is a second call and a race with the refill. What expires is
 //! under-admission, at most `N - 1` tokens per instance per lease,
-//! measured against one exact bucket fed the same requests (README).
+//! measured against one exact bucket fed the same requests (docs/hot-keys.md).
 //!
 //! **When Redis goes away**, tokens already held are still spent until
 //! their lease expires: they were taken from the shared bucket, so this

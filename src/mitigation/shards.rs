@@ -5,7 +5,7 @@
 //! key to one slot, so one node. With `shards = S` on a policy, a key of
 //! that policy (or only the keys named in `shard_keys`) is S buckets, each
 //! with `burst / S` tokens (rounded down) refilled at `rate / S`, and each
-//! request is decided by exactly one of them, in one call as before.
+//! request is decided by exactly one of them, in one call as unsharded.
 //!
 //! **Where the sub-buckets live.** Sub-bucket `i` of a key is another
 //! bucket key, derived from the key and `i` alone (never from the topology,
@@ -28,7 +28,7 @@
 //! `t`, sub-bucket `i` admits at most `burst/S + rate·t/S`, so all of them
 //! together at most `burst + rate·t`, which is what one exact bucket allows
 //! (`src/mitigation/tests.rs` feeds everything a fleet admitted to one
-//! exact bucket). Under-admission, measured (README, "Hot keys"): the
+//! exact bucket). Under-admission, measured (docs/hot-keys.md): the
 //! `burst mod S` tokens the rounding drops, and a request that finds its
 //! sub-bucket empty while another still holds tokens (a burst larger than
 //! a sub-bucket arriving faster than the round robin levels it, or

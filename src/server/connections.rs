@@ -3,7 +3,7 @@
 //! The limiter decides per request, so it never sees a client that holds
 //! a connection without finishing a request: headers trickled a byte at a
 //! time, a body that stalls, an idle keep-alive connection. Each holds a
-//! descriptor; a thousand from one host once took an instance off the air
+//! descriptor; enough of them from one host take an instance off the air
 //! (the slowloris). `axum::serve` gives hyper no timer, so no header
 //! timeout applies, and it has no cap. So this module serves connections
 //! itself, with what hyper and hyper-util provide:

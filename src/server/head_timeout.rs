@@ -10,10 +10,9 @@
 //!
 //! hyper's own timer keeps that rule by creating a timer for every head it
 //! waits for: a boxed sleep, an entry in tokio's timer wheel, and its
-//! removal when the head arrives a moment later. That was a tenth of the
-//! instructions our unlimited route spent inside hyper's dispatcher
-//! (callgrind, `scripts/http-instructions`; see docs/load/http-cost). Here
-//! the connection keeps one sleep and moves it lazily:
+//! removal when the head arrives a moment later: work on every request for
+//! a timer that almost never fires (docs/http-cost.md). Here the
+//! connection keeps one sleep and moves it lazily:
 //!
 //! - the service marks the connection answering when a head arrives
 //!   ([`HeadClock::answering`]), and waiting again from the moment the

@@ -58,13 +58,12 @@ pub type CheckResult = Result<Checked, StoreError>;
 ///
 /// Why not a boxed future always: an in-process check, a deny-cache hit
 /// and a spent lease are answered without waiting, and a box per layer of
-/// the stack cost two of the seven allocations a profile of the
-/// memory-limited route showed over the unlimited one. A wrapper adds its
-/// step with [`CheckFuture::map`], which runs it at once on an answer
-/// that is here and boxes only around one that is not; a wrapper that
-/// only looks at the answer ([`Observe`], as the error count does) adds
-/// itself with [`CheckFuture::observe`], which boxes nothing: the future
-/// keeps one such onlooker beside its answer.
+/// the stack would be an allocation per layer on every one of them. A
+/// wrapper adds its step with [`CheckFuture::map`], which runs it at once
+/// on an answer that is here and boxes only around one that is not; a
+/// wrapper that only looks at the answer ([`Observe`], as the error count
+/// does) adds itself with [`CheckFuture::observe`], which boxes nothing:
+/// the future keeps one such onlooker beside its answer.
 #[must_use = "a check's answer is lost unless awaited"]
 pub struct CheckFuture<'a> {
     answer: Answer<'a>,

@@ -81,10 +81,10 @@ fn status_label(status: u16) -> Cow<'static, str> {
 /// One route's `http_server_request_duration_seconds` series, by method
 /// and status, each registered on its first use. The route is known by
 /// the caller. A usual status's series is found by index, as the
-/// limiter's are: a table lookup in a lock-free cell, where a hashed map
-/// behind a read lock, its key's comparison and the handle's reference
-/// count were about 250 instructions a request (callgrind). Any other
-/// status goes through [`Handles`].
+/// limiter's are: a table lookup in a lock-free cell, rather than a
+/// hashed map behind a read lock, its key's comparison and the handle's
+/// reference count on every request. Any other status goes through
+/// [`Handles`].
 #[derive(Debug)]
 pub struct Durations {
     route: &'static str,

@@ -34,8 +34,8 @@ pub(crate) fn process_times(pid: u32) -> Option<CpuTimes> {
 
 /// CPU seconds used so far by the processes that share the machine in a
 /// step: this load generator, the instance and redis-server. (The machine's
-/// own /proc/stat counters proved unreliable on the test VM: steps with a
-/// busy instance read 0 %.)
+/// own /proc/stat counters are unreliable on a VM: a step with a busy
+/// instance can read 0 %.)
 fn cpu_of(pids: &[u32]) -> f64 {
     pids.iter().filter_map(|&p| process_cpu(p)).sum()
 }

@@ -139,7 +139,7 @@ pub enum Client {
     /// the server's write wakes it, and over loopback the server pays for
     /// that wake-up (on a VM, often an interrupt to an idle CPU), more the
     /// more often the load generator is idle, that is the slower the
-    /// server (docs/redis.md, "The load generator's wake-up").
+    /// server (docs/performance.md, "Redis checks over HTTP").
     Threads,
 }
 

@@ -11,12 +11,12 @@
 //! user runs, found beside this executable (`target/<profile>/`), and the
 //! peers `examples/peer_governor.rs` and `examples/peer_plain.rs`, beside
 //! it too (`target/<profile>/examples/`; `--server` and `--peers` name
-//! others). Not this executable re-run as `loadtest
-//! instance`: the same code, but linked into a binary many times the size
-//! (goose, reqwest, plotters), whose layout alone changed the per-request
-//! CPU by a tenth or more. Ours is built alone, as the Dockerfile builds
-//! it: built with the examples (or with this crate), it would get their
-//! dependencies' features, tokio's test-util among them.
+//! others). Not this executable re-run as `loadtest instance`: the same
+//! code, but linked into a binary many times the size (goose, reqwest,
+//! plotters), whose layout alone moves the per-request CPU by as much as
+//! the differences being measured. Ours is built alone, as the Dockerfile
+//! builds it: built with the examples (or with this crate), it would get
+//! their dependencies' features, tokio's test-util among them.
 //!
 //! Each server is pinned to `--server-cpu` (taskset) and started fresh for
 //! each run; the load generator, this process, is pinned to
@@ -39,25 +39,25 @@
 //! sender runs the receiver's side of TCP, so a server answering a client
 //! asleep in `read` pays for waking it, and the slower the server, the
 //! more often the client sleeps. With a thread asleep per connection
-//! (`--client threads`, the harness before; wrk's threads sleep in
-//! `epoll_wait`, woken the same way) that wake-up was about a quarter of
-//! every server's CPU here, and more microseconds a request of the lua
-//! route's (docs/redis.md, "The load generator's wake-up"). Server CPU is the
-//! utime + stime delta of the server process (and of redis-server) in
-//! `/proc/<pid>/stat` over the measured requests, divided by them:
-//! microseconds of CPU per request, reported whole and in user space
-//! alone (utime: the programs' own code, where they differ; the kernel's
-//! TCP path is about the same for every server). Throughput and p50/p99 are the load
-//! generator's. The variants run interleaved (each round in a rotated
-//! order), `--repeats` rounds; each round's ratios are taken within the
-//! round, then min / median / max over the rounds.
+//! (`--client threads`; wrk's threads sleep in `epoll_wait`, woken the
+//! same way) that wake-up is a large share of every server's CPU, and
+//! weighs most on the slowest route, the lua one (docs/performance.md,
+//! "Redis checks over HTTP"). Server CPU is the utime + stime delta of the
+//! server process (and of redis-server) in `/proc/<pid>/stat` over the
+//! measured requests, divided by them: microseconds of CPU per request,
+//! reported whole and in user space alone (utime: the programs' own code,
+//! where they differ; the kernel's TCP path is about the same for every
+//! server). Throughput and p50/p99 are the load generator's. The variants
+//! run interleaved (each round in a rotated order), `--repeats` rounds;
+//! each round's ratios are taken within the round, then min / median /
+//! max over the rounds.
 //!
 //! Written to `--out`: `table.md` and `table.csv` (the summary), and
 //! `runs.csv` (every run).
 //!
 //! The pieces: [`drive`](mod@drive) is the load generator (a minimal
 //! keep-alive client, its connections, the CPU read around them),
-//! [`report`](mod@report) the tables and the goals from the runs;
+//! [`report`](mod@report) the tables and the goals judged from the runs;
 //! this module starts the servers, runs the rounds and writes the files.
 
 mod drive;

@@ -1,6 +1,6 @@
 //! `http-cost`'s tables: every variant's figures as min / median / max
 //! over the rounds, its ratios to the peers taken within each round, and
-//! the goals judged on the medians of those ratios.
+//! the goals (docs/http-cost.md) judged on the medians of those ratios.
 
 use super::Run;
 use crate::results::Table;
@@ -42,11 +42,11 @@ fn ratios(runs: &[Run], variant: &str, peer: &str, figure: fn(&Run) -> f64) -> V
 
 /// Each round's lua route CPU per request beyond the memory route's, over
 /// Redis's CPU per request in that lua run: what a Redis check costs our
-/// process against what it costs Redis, the goal for Redis judged
-/// over HTTP. The two routes run the same policy and differ in the store
-/// alone, so the difference is the check through Redis less the
-/// in-process one (under 1 % of a request; the figure is that much low).
-/// `figure` is the server's whole CPU or its user space alone. Rounds in
+/// process against what it costs Redis, the Redis goal judged over HTTP.
+/// The two routes run the same policy and differ in the store alone, so
+/// the difference is the check through Redis less the in-process one (a
+/// small part of a request; the figure is that much low). `figure` is
+/// the server's whole CPU or its user space alone. Rounds in
 /// which Redis's CPU read as nothing (too short a run) are left out.
 fn redis_shares(runs: &[Run], figure: fn(&Run) -> f64) -> Vec<f64> {
     runs.iter()
@@ -159,7 +159,7 @@ pub(super) fn tables(runs: &[Run], variants: &[String]) -> (Table, Table, Vec<St
             r.fallback.to_string(),
         ]);
     }
-    // The goals, each a median of same-round ratios.
+    // The goals, each a median of same-round ratios.
     let goal = |what: &str, variant: &str, peer: &str, bound: f64| {
         judged(what, median(ratios(runs, variant, peer, total_us)), bound)
     };

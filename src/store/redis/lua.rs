@@ -129,11 +129,12 @@ impl LuaStore {
     ///
     /// The EVALSHA is written straight into one `Cmd` (keys and numbers
     /// into its one buffer) and the reply read from the bytes redis-rs
-    /// parsed: `Script::key(..).arg(..)` built a `Vec` per argument, the
-    /// key went through `format!`, and the reply through a `String`, which
-    /// together were a quarter of this process's CPU per check
-    /// (docs/redis.md). NOSCRIPT (after a restart or SCRIPT FLUSH) loads
-    /// the script and sends the command again, as `Script` does.
+    /// parsed: `Script::key(..).arg(..)` would build a `Vec` per argument,
+    /// the key would go through `format!` and the reply through a
+    /// `String`, a large share of this process's CPU per check
+    /// (docs/performance.md, "Client side of a Redis check"). NOSCRIPT
+    /// (after a restart or SCRIPT FLUSH) loads the script and sends the
+    /// command again, as `Script` does.
     pub async fn decide(&self, check: &Check) -> Result<Decision, StoreError> {
         let Check {
             key,

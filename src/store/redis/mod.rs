@@ -19,11 +19,11 @@
 //! state again (plus a margin), which is exactly "no key".
 //!
 //! Connections: one pipelined connection per process to a standalone server,
-//! our own ([`pipe`]: it reconnects, and a check costs this process 0.83x
-//! the CPU of the redis crate's multiplexed connection, median of six
-//! rounds, and 0.40x its user-space instructions; docs/redis.md),
-//! or the redis crate's cluster connection; concurrent checks are pipelined
-//! on either. Timeouts and retries are set for a request path: the redis
+//! our own ([`pipe`]: it reconnects, and does less per check than the
+//! redis crate's multiplexed connection; what a check costs this process
+//! is in docs/performance.md, "Client side of a Redis check"), or the
+//! redis crate's cluster connection; concurrent checks are pipelined on
+//! either. Timeouts and retries are set for a request path: the redis
 //! crate's defaults (500 ms response timeout, 6 retries) would stall every
 //! request behind a sick Redis. `rediss://` URLs connect over TLS ([`tls`]);
 //! credentials come in the URL (`rediss://user:password@host`).

@@ -2,8 +2,9 @@
 //! every check.
 //!
 //! A check is one small EVALSHA whose answer is one short bulk string. The
-//! redis crate's multiplexed connection costs about as much CPU in this
-//! process as the script costs Redis (issue 15): per call a boxed future
+//! redis crate's multiplexed connection costs this process too much CPU
+//! per check beside what the script costs Redis (the goal is in
+//! docs/performance.md, "Redis checks over HTTP"): per call a boxed future
 //! and a connection clone (`ConnectionManager`), an mpsc send to the driver
 //! task and a oneshot back, a response timer, and a combinator parser
 //! building a `Value`. Here a call locks a mutex, writes its command
@@ -27,8 +28,9 @@
 //! - A call unanswered `response_timeout` after it was queued (sent or
 //!   not: a write stuck behind a full socket counts; or after the
 //!   connection was made, if it was queued while connecting, which the
-//!   connect timeout bounds) fails as a timeout; the connection stays (a Redis that was only slow answers the
-//!   calls after it), and its late reply, when it comes, is dropped. One
+//!   connect timeout bounds) fails as a timeout; the connection stays (a
+//!   Redis that was only slow answers the calls after it), and its late
+//!   reply, when it comes, is dropped. One
 //!   timer serves the whole connection: replies come in order, so only the
 //!   oldest call can be the next to time out.
 //!

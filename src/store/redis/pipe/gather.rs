@@ -13,9 +13,9 @@
 //! (a futex wake, and a worker that finds nothing and parks again). At a
 //! light load through a slow round trip several calls are in flight at
 //! once yet arrive apart, and a read sometimes answers two of them; each
-//! is a sign that more commands are coming, and almost never true there
-//! (0.3-3 % of such yields gathered a command, against 83-89 % at a
-//! saturating load: docs/redis.md).
+//! is a sign that more commands are coming, true under a saturating load
+//! and almost never there (docs/performance.md, "Client side of a Redis
+//! check").
 //!
 //! So the signs are trusted only while the yields they cause gather
 //! commands: the driver is told what happened ([`Gather::read`] after each
@@ -26,21 +26,19 @@
 /// A yield that gathered commands sets the credit back to this many
 /// yields on a sign; each that gathers nothing spends one. Several,
 /// because a miss is not always a loss: with two workers the other one
-/// often queues commands before the driver yields, and only 30-39 % of
-/// the yields of the bench's `16_tasks` and `64_tasks` gathered more.
-/// With a credit of 3, runs of misses spent it often enough that those
-/// shapes cost 18-42 % more client CPU a check than with the rules before
-/// (which always yielded after a read that answered several); with 8,
-/// about the same (docs/redis.md). And under any load a round's replies
-/// may be read in two parts, the second answering one call; were that to
-/// stop the batching, the next round's commands would go out one by one,
-/// their replies too, and the split would carry on.
+/// often queues commands before the driver yields, so under concurrency
+/// many yields gather nothing and a small credit would run out and stop
+/// the batching that pays for them (docs/performance.md, "Client side of
+/// a Redis check"). And under any load a round's replies may be read in
+/// two parts, the second answering one call; were that to stop the
+/// batching, the next round's commands would go out one by one, their
+/// replies too, and the split would carry on.
 const CREDIT: u8 = 8;
 
 /// With the credit spent, one sign in this many is still taken, to notice
 /// when yielding would gather again. Each costs about what a wasted yield
-/// does; at a light load one in 8 was still most of what the signs cost
-/// (docs/redis.md).
+/// does, so probes are rare enough that at a light load they cost little
+/// (docs/performance.md, "Client side of a Redis check").
 const PROBE_EVERY: u8 = 64;
 
 /// The driver's memory of what its yields did.
