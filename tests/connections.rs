@@ -1,6 +1,6 @@
 //! Slow and idle connections, on real sockets against the real binary: the
 //! header timeout, the request deadline, the connection caps and 413 before
-//! the body (issue 16, part 1). The instance runs as its own process so
+//! the body. The instance runs as its own process so
 //! that its descriptors can be counted in `/proc/<pid>/fd`.
 //!
 //! Timings here are bounds with wide margins (a busy 2-core machine), never

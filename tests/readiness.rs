@@ -1,4 +1,4 @@
-//! Readiness that tells the truth (issue 16, part 3b), on a real
+//! Readiness that tells the truth, on a real
 //! redis-server through a real listener: an instance whose checks were
 //! mostly decided by its fallback is `degraded`, with the share, even once
 //! its breaker has closed again and Redis answers a PING.

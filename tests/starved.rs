@@ -1,4 +1,4 @@
-//! Late answers vs the breaker (issue 16, part 3d): an instance starved of
+//! Late answers vs the breaker: an instance starved of
 //! CPU misses its check deadline although Redis answers in its usual time;
 //! those misses must not open the breaker and abandon a healthy Redis.
 //!

@@ -190,8 +190,8 @@ async fn redis_errors_are_classified() {
         "{err} classified as {}",
         err.kind()
     );
-    // A Redis that hangs (SIGSTOP is issue 5's; here, a listener that never
-    // answers) is a timeout within the configured response timeout.
+    // A Redis that hangs (a listener that never answers) is a timeout
+    // within the configured response timeout.
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let mut s = settings(
         vec![format!(
