@@ -134,7 +134,7 @@ const ITEMS: [Item; 3] = [
 ];
 
 /// `GET /api/items`: the catalogue. Public so that `loadtest http-cost`'s
-/// peers (`examples/peer_*.rs`) serve the very same body.
+/// peers (`benches/peers/peer_*.rs`) serve the very same body.
 pub async fn list_items() -> Json<&'static [Item]> {
     Json(&ITEMS)
 }

@@ -9,9 +9,9 @@
 //!
 //! It builds nothing: the servers are the `ratelimiter` binary, the one a
 //! user runs, found beside this executable (`target/<profile>/`), and the
-//! peers `examples/peer_governor.rs` and `examples/peer_plain.rs`, beside
-//! it too (`target/<profile>/examples/`; `--server` and `--peers` name
-//! others). Not this executable re-run as `loadtest instance`: the same
+//! peers `benches/peers/peer_governor.rs` and `benches/peers/peer_plain.rs`,
+//! built as examples beside it too (`target/<profile>/examples/`;
+//! `--server` and `--peers` name others). Not this executable re-run as `loadtest instance`: the same
 //! code, but linked into a binary many times the size (goose, reqwest,
 //! plotters), whose layout alone moves the per-request CPU by as much as
 //! the differences being measured. Ours is built alone, as the Dockerfile
