@@ -153,7 +153,9 @@ fn every_module_imports_only_lower_layers() {
             .to_string_lossy()
             .trim_end_matches(".rs")
             .to_owned();
-        if top == "lib" || top == "main" || rel.ends_with("tests.rs") {
+        let test_code =
+            rel.ends_with("tests.rs") || rel.components().any(|c| c.as_os_str() == "tests");
+        if top == "lib" || top == "main" || test_code {
             continue;
         }
         let Some(&own) = layer.get(top.as_str()) else {
