@@ -1,3 +1,5 @@
+//! Needs root and cgroup v1: the Redis it scrapes is CPU-capped as in the stacks.
+//!
 //! The dashboards and alerts, checked without Grafana: promtool on the
 //! config and rules (and every alert's unit test), the dashboards' JSON,
 //! every alert's runbook link, and every panel's query evaluated by a real
@@ -5,7 +7,7 @@
 //! cgroup, as in both stacks), its redis_exporter and the stack's cgroup
 //! exporter under load, with the repository's relabelling. (Grafana cannot
 //! be installed here; Prometheus, promtool and the exporter are Debian
-//! packages, which `scripts/test` installs. The cap needs root and cgroup v1.)
+//! packages, which `scripts/test` installs.)
 
 use serde_json::Value;
 use std::collections::BTreeSet;

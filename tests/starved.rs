@@ -1,3 +1,5 @@
+//! Needs root and cgroup v1: the instance is starved by a CPU cap.
+//!
 //! Late answers vs the breaker: an instance starved of
 //! CPU misses its check deadline although Redis answers in its usual time;
 //! those misses must not open the breaker and abandon a healthy Redis.

@@ -1,3 +1,5 @@
+//! Needs root and cgroup v1: `mitigations` caps its cluster's masters.
+//!
 //! The load commands end to end, small and bounded: real redis-server, real
 //! instance processes, loopback only.
 

@@ -1,3 +1,5 @@
+//! Needs root and cgroup v1: the native stack caps its Redis nodes.
+//!
 //! `runbooks/hot-key.md`, followed as written on the native stack with its
 //! Redis nodes capped as `scripts/stack` caps them: `loadtest hotkey`
 //! surges on one tenant until its node is saturated and the alert names
@@ -10,8 +12,7 @@
 //! on under anonymous traffic. Only the ports differ from the runbook's
 //! (the test stack runs on free ports), the detector's window is 2 s
 //! instead of 10 s, and the deadline is long (a busy test machine must not
-//! turn checks into local decisions). Needs root and a writable cgroup v1
-//! `cpu` controller, as `scripts/stack` does for its caps.
+//! turn checks into local decisions).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
