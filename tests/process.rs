@@ -64,9 +64,41 @@ fn serves_from_env_and_flags_and_stops_cleanly_on_sigterm() {
     stops_cleanly_on(&mut proc, nix::sys::signal::Signal::SIGTERM);
 }
 
+/// OpenTelemetry's variables, injected with values the service cannot
+/// use, never stop it: it starts, serves, and warns once about each, by
+/// name, as the OpenTelemetry SDK specification asks.
+#[test]
+fn bad_otel_variables_are_warned_about_once_and_never_stop_the_start() {
+    let port = free_port().unwrap();
+    let bad = [
+        ("OTEL_TRACES_SAMPLER", "nope"),
+        ("OTEL_TRACES_SAMPLER_ARG", "abc"),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json"),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "collector:4317"),
+        ("OTEL_SDK_DISABLED", "maybe"),
+    ];
+    let mut command = Command::new(BIN);
+    command
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    for (name, value) in bad {
+        command.env(name, value);
+    }
+    let mut proc = ChildGuard(command.spawn().unwrap());
+    wait_for_port(port, "ratelimiter").unwrap();
+    assert_eq!(get_n(port, "/api/items", 1).0, [200]);
+    let stderr = stops_cleanly_on(&mut proc, nix::sys::signal::Signal::SIGTERM);
+    for (name, value) in bad {
+        let line = format!("{name}={value} ignored");
+        assert_eq!(stderr.matches(&line).count(), 1, "{line}: {stderr}");
+    }
+}
+
 /// Sends `signal` to the instance (its stderr piped): it exits with
-/// success within 10 s, saying why.
-fn stops_cleanly_on(proc: &mut ChildGuard, signal: nix::sys::signal::Signal) {
+/// success within 10 s, saying why; its log.
+fn stops_cleanly_on(proc: &mut ChildGuard, signal: nix::sys::signal::Signal) -> String {
     let pid = nix::unistd::Pid::from_raw(i32::try_from(proc.0.id()).unwrap());
     nix::sys::signal::kill(pid, signal).unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -86,6 +118,7 @@ fn stops_cleanly_on(proc: &mut ChildGuard, signal: nix::sys::signal::Signal) {
         .read_to_string(&mut stderr)
         .unwrap();
     assert!(stderr.contains("shutdown signal received"), "{stderr}");
+    stderr
 }
 
 /// ctrl-c is SIGINT: the same graceful stop as SIGTERM.

@@ -192,23 +192,25 @@ pub struct FailureFlags {
     pub breaker_cooldown: Option<String>,
 }
 
-/// `[tracing]` flags; the environment names are OpenTelemetry's own.
+/// `[tracing]` flags. OpenTelemetry's own variables (`OTEL_*`) are read
+/// apart, in `otel.rs`: a bad one is ignored with a warning, where a bad
+/// flag stops the start.
 #[derive(Debug, Clone, Default, Args, Serialize)]
 pub struct TracingFlags {
-    /// The OTLP collector, e.g. http://127.0.0.1:4318 [default: none: traces are not exported]
-    #[arg(long = "otlp-endpoint", env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    /// The OTLP collector, e.g. http://127.0.0.1:4318; or OTEL_EXPORTER_OTLP_ENDPOINT [default: none: traces are not exported]
+    #[arg(long = "otlp-endpoint")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub endpoint: Option<String>,
-    #[arg(long = "otlp-protocol", env = "OTEL_EXPORTER_OTLP_PROTOCOL", value_enum, help = help("OTLP transport", "tracing.protocol"))]
+    #[arg(long = "otlp-protocol", value_enum, help = help("OTLP transport; or OTEL_EXPORTER_OTLP_PROTOCOL", "tracing.protocol"))]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub protocol: Option<OtlpProtocol>,
-    #[arg(long = "service-name", env = "OTEL_SERVICE_NAME", help = help("service.name of the exported spans", "tracing.service_name"))]
+    #[arg(long = "service-name", help = help("service.name of the exported spans; or OTEL_SERVICE_NAME", "tracing.service_name"))]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub service_name: Option<String>,
-    #[arg(long = "traces-sampler", env = "OTEL_TRACES_SAMPLER", value_enum, help = help("Which traces to keep", "tracing.sampler"))]
+    #[arg(long = "traces-sampler", value_enum, help = help("Which traces to keep; or OTEL_TRACES_SAMPLER", "tracing.sampler"))]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sampler: Option<SamplerKind>,
-    #[arg(long = "traces-sampler-arg", env = "OTEL_TRACES_SAMPLER_ARG", help = help("The ratio of the ratio samplers, 0 to 1", "tracing.sampler_arg"))]
+    #[arg(long = "traces-sampler-arg", help = help("The ratio of the ratio samplers, 0 to 1; or OTEL_TRACES_SAMPLER_ARG", "tracing.sampler_arg"))]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sampler_arg: Option<f64>,
     #[arg(long = "trace-queue-size", env = "RL_TRACE_QUEUE_SIZE", help = help("Spans waiting for export, at most (more are dropped, counted)", "tracing.queue_size"))]

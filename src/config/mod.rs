@@ -75,6 +75,7 @@
 
 mod cli;
 pub mod file;
+mod otel;
 mod parse;
 mod validate;
 
@@ -82,6 +83,7 @@ pub use cli::{
     Cli, DenyCacheFlags, FailureFlags, HotKeyFlags, HttpFlags, MemoryFlags, RedisFlags,
     TracingFlags, default_of,
 };
+pub use otel::OtelEnv;
 pub use parse::parse_period;
 
 use crate::failover::FailoverSettings;
@@ -178,6 +180,9 @@ pub struct Config {
     pub api_keys: Vec<ApiKeyConfig>,
     /// Route policies.
     pub policies: Vec<Policy>,
+    /// `OTEL_*` variables that were ignored, one line each, for the
+    /// service to warn about once it logs.
+    pub ignored_env: Vec<String>,
 }
 
 /// A configuration that cannot be used, naming the field at fault.
@@ -248,31 +253,40 @@ impl Config {
             .collect()
     }
 
-    /// Reads the file named by `cli.config` (if any) and layers the flags
-    /// over it.
+    /// Reads the file named by `cli.config` (if any) and layers the
+    /// process's `OTEL_*` variables and the flags over it.
     pub fn load(cli: Cli) -> Result<Self, ConfigError> {
+        let env = OtelEnv::read(|name| std::env::var(name).ok());
         match &cli.config {
             Some(path) => {
                 let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
                     path: path.clone(),
                     source,
                 })?;
-                Self::layered(path.clone(), &text, &cli)
+                Self::layered(path.clone(), &text, env, &cli)
             }
-            None => Self::layered(PathBuf::from("<none>"), "", &cli),
+            None => Self::layered(PathBuf::from("<none>"), "", env, &cli),
         }
     }
 
-    /// Parses and validates a config from TOML text, with no flags.
+    /// Parses and validates a config from TOML text, with no flags and no
+    /// environment.
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
-        Self::layered(PathBuf::from("<inline>"), text, &Cli::default())
+        Self::layered(
+            PathBuf::from("<inline>"),
+            text,
+            OtelEnv::default(),
+            &Cli::default(),
+        )
     }
 
-    /// Defaults, then the file's `text`, then the flags; then validation.
-    fn layered(path: PathBuf, text: &str, cli: &Cli) -> Result<Self, ConfigError> {
+    /// Defaults, then the file's `text`, then the `OTEL_*` variables, then
+    /// the flags; then validation.
+    fn layered(path: PathBuf, text: &str, env: OtelEnv, cli: &Cli) -> Result<Self, ConfigError> {
         let settings: file::Settings = Figment::new()
             .merge(Serialized::defaults(file::Settings::default()))
             .merge(Toml::string(text))
+            .merge(Serialized::defaults(&env))
             .merge(Serialized::defaults(cli))
             .extract()
             .map_err(|e| {
@@ -284,7 +298,12 @@ impl Config {
                     message: e.kind.to_string(),
                 }
             })?;
-        validate::validate(settings)
+        let mut config = validate::validate(settings)?;
+        if env.disabled {
+            config.tracing.endpoint = None;
+        }
+        config.ignored_env = env.warnings;
+        Ok(config)
     }
 }
 

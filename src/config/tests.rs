@@ -1,5 +1,6 @@
 use super::*;
 use crate::algorithm::{Algorithm, Limit};
+use crate::telemetry::{OtlpProtocol, SamplerKind};
 use clap::Parser;
 use std::time::Duration;
 
@@ -573,4 +574,95 @@ fn a_split_the_sub_buckets_cannot_keep_or_of_unknown_keys_is_refused() {
         Config::from_toml(unlimited),
         Err(ConfigError::Invalid { message, .. }) if message.contains("shards")
     ));
+}
+
+/// The `OTEL_*` variables of `vars`, as the process would see them.
+fn otel(vars: &[(&str, &str)]) -> OtelEnv {
+    let vars: Vec<(String, String)> = vars
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
+    OtelEnv::read(|name| vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone()))
+}
+
+const TRACED: &str = "[tracing]\nendpoint = \"http://127.0.0.1:4318\"\nsampler = \"always_on\"\n";
+
+#[test]
+fn bad_otel_variables_are_ignored_and_each_named_once() {
+    let env = otel(&[
+        ("OTEL_TRACES_SAMPLER", "nope"),
+        ("OTEL_TRACES_SAMPLER_ARG", "abc"),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json"),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "collector:4317"),
+        ("OTEL_SDK_DISABLED", "maybe"),
+        ("OTEL_SERVICE_NAME", ""),
+    ]);
+    let c = Config::layered("<inline>".into(), TRACED, env, &Cli::default()).unwrap();
+    // The file's settings and the defaults stand.
+    assert_eq!(c.tracing.endpoint.as_deref(), Some("http://127.0.0.1:4318"));
+    assert_eq!(c.tracing.sampler, SamplerKind::AlwaysOn);
+    assert_eq!(c.tracing.sampler_arg, 1.0);
+    assert_eq!(c.tracing.protocol, OtlpProtocol::HttpProtobuf);
+    assert_eq!(c.tracing.service_name, "ratelimiter");
+    let named: Vec<&str> = c
+        .ignored_env
+        .iter()
+        .map(|w| w.split('=').next().unwrap())
+        .collect();
+    assert_eq!(
+        named,
+        [
+            "OTEL_SDK_DISABLED",
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_PROTOCOL",
+            "OTEL_TRACES_SAMPLER",
+            "OTEL_TRACES_SAMPLER_ARG",
+        ],
+        "an empty variable is unset, not wrong: {:?}",
+        c.ignored_env
+    );
+    assert!(
+        c.ignored_env[2].contains("not supported"),
+        "{:?}",
+        c.ignored_env
+    );
+}
+
+#[test]
+fn otel_variables_layer_over_the_file_and_under_the_flags() {
+    let env = || {
+        otel(&[
+            ("OTEL_TRACES_SAMPLER", "parentbased_traceidratio"),
+            ("OTEL_TRACES_SAMPLER_ARG", "0.25"),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317"),
+            ("OTEL_SERVICE_NAME", "edge"),
+        ])
+    };
+    let c = Config::layered("<inline>".into(), TRACED, env(), &Cli::default()).unwrap();
+    assert!(c.ignored_env.is_empty(), "{:?}", c.ignored_env);
+    assert_eq!(c.tracing.endpoint.as_deref(), Some("http://collector:4317"));
+    assert_eq!(c.tracing.sampler, SamplerKind::ParentbasedTraceIdRatio);
+    assert_eq!(c.tracing.sampler_arg, 0.25);
+    assert_eq!(c.tracing.protocol, OtlpProtocol::Grpc);
+    assert_eq!(c.tracing.service_name, "edge");
+    // A flag is the operator's own word for this process: it wins.
+    let cli = Cli::parse_from(["ratelimiter", "--traces-sampler", "always_off"]);
+    let c = Config::layered("<inline>".into(), TRACED, env(), &cli).unwrap();
+    assert_eq!(c.tracing.sampler, SamplerKind::AlwaysOff);
+}
+
+#[test]
+fn otel_sdk_disabled_turns_trace_export_off() {
+    for value in ["true", "TRUE", " True "] {
+        let env = otel(&[
+            ("OTEL_SDK_DISABLED", value),
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318"),
+        ]);
+        let c = Config::layered("<inline>".into(), TRACED, env, &Cli::default()).unwrap();
+        assert_eq!(c.tracing.endpoint, None, "{value:?}");
+    }
+    let env = otel(&[("OTEL_SDK_DISABLED", "false")]);
+    let c = Config::layered("<inline>".into(), TRACED, env, &Cli::default()).unwrap();
+    assert!(c.tracing.endpoint.is_some());
 }

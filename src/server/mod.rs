@@ -373,6 +373,9 @@ pub async fn run(config: Config, cli: Option<Cli>) -> Result<(), RunError> {
 }
 
 async fn run_instance(config: &Config, cli: Option<Cli>) -> Result<(), RunError> {
+    for ignored in &config.ignored_env {
+        tracing::warn!("{ignored}");
+    }
     for range in config.wide_trusted_ranges() {
         tracing::warn!(
             %range,

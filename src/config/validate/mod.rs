@@ -186,5 +186,6 @@ pub(super) fn validate(s: Settings) -> Result<Config, ConfigError> {
         deny_cache_max_keys: s.deny_cache.max_keys,
         api_keys,
         policies,
+        ignored_env: Vec::new(),
     })
 }
