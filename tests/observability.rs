@@ -571,16 +571,44 @@ async fn every_panel_query_runs_on_a_real_prometheus_and_shows_data() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// What redis_exporter serves for a Redis Cluster node: the cluster's
+/// own metrics (`redis_cluster_state`) appear only in cluster mode.
+async fn cluster_exporter_metrics() -> String {
+    let node = RedisServer::start_with(&["--cluster-enabled", "yes"]).unwrap();
+    let port = free_port().unwrap();
+    let mut exporter = ChildGuard(
+        Command::new("prometheus-redis-exporter")
+            .args(["--redis.addr", &node.url()])
+            .args(["--web.listen-address", &format!("127.0.0.1:{port}")])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("prometheus-redis-exporter is installed (Debian package)"),
+    );
+    wait_for_listener(&mut exporter, port, "cluster node's exporter").unwrap();
+    let text = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(text.contains("redis_cluster_enabled 1"), "{text}");
+    text
+}
+
 /// Every metric a panel or an alert names exists: defined in
-/// `src/metrics.rs`, or exported by redis_exporter, or Prometheus's `up`.
+/// `src/metrics.rs`, or exported by redis_exporter (of a standalone node
+/// or a cluster's), or Prometheus's `up`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_metric_the_dashboards_and_alerts_name_is_exported() {
     let stack = scraped().await;
     stack.load.abort();
+    let cluster_metrics = cluster_exporter_metrics().await;
     // redis_exporter's names and the cgroup counters' (cAdvisor's names).
     let exporter: BTreeSet<&str> = stack
         .exporter_metrics
         .lines()
+        .chain(cluster_metrics.lines())
         .chain(stack.cgroup_metrics.lines())
         .filter(|l| !l.starts_with('#'))
         .filter_map(|l| l.split(['{', ' ']).next())
