@@ -325,14 +325,20 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     // The hot keys are rendered now, not kept by the recorder: a key that
     // cooled down must leave the page, and the recorder never forgets a
     // series.
-    let hot = state.limiter.get().render_hot_keys();
-    if !hot.is_empty() {
+    // So is the process's CPU, memory and descriptors, from /proc.
+    for part in [state.limiter.get().render_hot_keys(), process_metrics()] {
         if !text.is_empty() && !text.ends_with('\n') {
             text.push('\n');
         }
-        text.push_str(&hot);
+        text.push_str(&part);
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
+}
+
+fn process_metrics() -> String {
+    let mut text = String::new();
+    crate::metrics::process::render(&mut text);
+    text
 }
 
 /// The whole service: the sample API behind the limiter, plus operations

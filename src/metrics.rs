@@ -6,6 +6,7 @@
 //! (`middleware::Routes`), never raw URIs, keys or addresses.
 
 pub mod buckets;
+pub mod process;
 
 use buckets::{Buckets, BucketsHandle};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
@@ -130,8 +131,8 @@ pub const CONFIG_RELOADS_TOTAL: &str = "ratelimit_config_reloads_total";
 /// label), `backend`.
 pub const INSTANCE_INFO: &str = "ratelimit_instance_info";
 
-/// Every metric above, for checks that dashboards and alerts name only
-/// metrics that exist.
+/// Every metric above and the process's, for checks that dashboards and
+/// alerts name only metrics that exist.
 pub const ALL: &[&str] = &[
     HTTP_SERVER_REQUEST_DURATION_SECONDS,
     HTTP_SERVER_OPEN_CONNECTIONS,
@@ -158,6 +159,11 @@ pub const ALL: &[&str] = &[
     HOT_KEY_NODE_SHARE,
     CONFIG_RELOADS_TOTAL,
     INSTANCE_INFO,
+    process::PROCESS_CPU_SECONDS_TOTAL,
+    process::PROCESS_RESIDENT_MEMORY_BYTES,
+    process::PROCESS_OPEN_FDS,
+    process::PROCESS_MAX_FDS,
+    process::PROCESS_START_TIME_SECONDS,
 ];
 
 /// Buckets for `*_seconds` histograms: from 10 µs (an in-memory check) to

@@ -254,6 +254,7 @@ fn metric_names(expr: &str) -> BTreeSet<String> {
                     || word.starts_with("http_server_")
                     || word.starts_with("redis_")
                     || word.starts_with("container_")
+                    || word.starts_with("process_")
                     || word.contains(':')
                     || word == "up")
                 && bytes.get(i) != Some(&'=')

@@ -158,26 +158,13 @@ impl Drop for Slot {
 /// runtime's own, logs, the trace exporter's.
 pub const RESERVED_DESCRIPTORS: u64 = 64;
 
-/// The soft limit on open files in `/proc/<pid>/limits` text (the line
-/// `Max open files  <soft>  <hard>  files`); `None` for "unlimited" or no
-/// such line.
-pub fn open_files_limit(limits: &str) -> Option<u64> {
-    limits
-        .lines()
-        .find_map(|l| l.strip_prefix("Max open files"))?
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()
-}
-
 /// Whether `max_connections` fits under the process's descriptor limit
 /// with room to spare; if not, the limit. A cap above it protects nothing:
 /// `accept` fails at the limit (and so does everything else that opens a
 /// file) before the cap is reached.
 pub fn over_descriptor_limit(max_connections: usize) -> Option<u64> {
     let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
-    let soft = open_files_limit(&limits)?;
+    let soft = m::process::open_files_limit(&limits)?;
     (max_connections as u64 + RESERVED_DESCRIPTORS > soft).then_some(soft)
 }
 
@@ -305,21 +292,6 @@ mod tests {
         assert_eq!(c.open(), 3);
         let _a3 = c.admit(ip("192.0.2.1")).unwrap();
         assert_eq!(c.open(), 4);
-    }
-
-    #[test]
-    fn the_open_files_limit_is_read_from_proc_limits() {
-        let text = "Limit                     Soft Limit           Hard Limit           Units\n\
-                    Max processes             31547                31547                processes\n\
-                    Max open files            1024                 524288               files\n";
-        assert_eq!(open_files_limit(text), Some(1024));
-        assert_eq!(
-            open_files_limit(
-                "Max open files            unlimited            unlimited            files\n"
-            ),
-            None
-        );
-        assert_eq!(open_files_limit(""), None);
     }
 
     #[test]
