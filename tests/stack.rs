@@ -544,6 +544,37 @@ async fn the_native_stack_runs_the_compose_topology_end_to_end() {
             .any(|s| s.name == "EVALSHA" && s.attributes.contains_key("db.redis.slot"))
     );
 
+    // nginx starts no trace: requests without a traceparent are traced as
+    // the instances' sampler says (one in twenty in config/stack.toml), not
+    // every one, and a traced one carries nginx's request id.
+    let mut request_ids = BTreeSet::new();
+    for _ in 0..200 {
+        let r = http.get(stack.url("/api/items")).send().await.unwrap();
+        let id = r.headers()["x-request-id"].to_str().unwrap().to_owned();
+        request_ids.insert(id);
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let traced: Vec<String> = receiver
+        .spans()
+        .into_iter()
+        .filter_map(|s| {
+            s.attributes
+                .get("http.request.header.x-request-id")
+                .cloned()
+        })
+        .filter(|id| request_ids.contains(id))
+        .collect();
+    assert_eq!(
+        request_ids.len(),
+        200,
+        "nginx gives each request its own id"
+    );
+    assert!(
+        !traced.is_empty() && traced.len() < 100,
+        "{} of 200 requests traced, at a ratio of 0.05",
+        traced.len()
+    );
+
     // Prometheus scrapes every target.
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {

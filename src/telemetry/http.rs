@@ -172,12 +172,18 @@ pub fn server_span(method: &'static str, headers: &HeaderMap) -> Span {
         http.request.method = method,
         http.route = tracing::field::Empty,
         http.response.status_code = tracing::field::Empty,
+        "http.request.header.x-request-id" = tracing::field::Empty,
     );
     if !span.is_disabled() {
         let parent = opentelemetry::global::get_text_map_propagator(|propagator| {
             propagator.extract(&HeaderExtractor(headers))
         });
         let _ = span.set_parent(parent);
+        // The proxy's request id (nginx's, also in its access log): a trace
+        // the service started is found from a log line by it.
+        if let Some(id) = headers.get("x-request-id").and_then(|v| v.to_str().ok()) {
+            span.record("http.request.header.x-request-id", id);
+        }
     }
     span
 }
