@@ -56,6 +56,7 @@ async fn the_hot_key_is_named_with_the_slot_and_node_that_really_hold_it() {
         [hot_keys]
         tracked = 16
         top = 3
+        addresses = "show"
         [[api_keys]]
         id = "tenant-hot"
         key = "key-hot"

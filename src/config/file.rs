@@ -340,7 +340,7 @@ impl Default for Settings {
                 tracked: 128,
                 top: 5,
                 window: "10s".into(),
-                addresses: AddressDisplay::Show,
+                addresses: AddressDisplay::Hash,
             },
             deny_cache: DenyCacheFile {
                 // About 100 bytes each: 10 MB at most.

@@ -48,7 +48,7 @@
 //! | `hot_keys.tracked` | `--hot-keys-tracked` / `RL_HOT_KEYS_TRACKED` | `128` (0: no detection) |
 //! | `hot_keys.top` | `--hot-keys-top` / `RL_HOT_KEYS_TOP` | `5` |
 //! | `hot_keys.window` | `--hot-keys-window` / `RL_HOT_KEYS_WINDOW` | `10s` |
-//! | `hot_keys.addresses` | `--hot-keys-addresses` / `RL_HOT_KEYS_ADDRESSES` | `show` (or `hash`) |
+//! | `hot_keys.addresses` | `--hot-keys-addresses` / `RL_HOT_KEYS_ADDRESSES` | `hash` (or `show`) |
 //! | `deny_cache.max_keys` | `--deny-cache-max-keys` / `RL_DENY_CACHE_MAX_KEYS` | `100000` |
 //! | `[[api_keys]]` | file only | none |
 //! | `[[policies]]` | file only | one policy `api`: route `/api/`, burst 100, 10/s |

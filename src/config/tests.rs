@@ -60,6 +60,9 @@ fn no_file_gives_the_documented_defaults() {
         (h.tracked, h.top, h.window),
         (128, 5, Duration::from_secs(10))
     );
+    // Client addresses reach the metrics only as a short hash unless an
+    // operator opts in.
+    assert_eq!(h.addresses, crate::hotkeys::AddressDisplay::Hash);
     let http = &c.http;
     assert_eq!(http.header_timeout, Duration::from_secs(10));
     assert_eq!(http.request_timeout, Duration::from_secs(30));

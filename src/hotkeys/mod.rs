@@ -16,9 +16,9 @@
 //! exported as gauges, labelled with what an operator needs to act:
 //!
 //! - `policy` and `key_kind` (`api_key`, `ip`, `unknown_api_key`);
-//! - `key`: the tenant id for API keys; for addresses the address, or with
-//!   `hot_keys.addresses = "hash"` the first 8 hex digits of the bucket key
-//!   (which are also the start of its Redis key's hash tag);
+//! - `key`: the tenant id for API keys; for addresses `h:` and the first 8
+//!   hex digits of the bucket key (which are also the start of its Redis
+//!   key's hash tag), or with `hot_keys.addresses = "show"` the address;
 //! - `slot` and `node`: the bucket's cluster slot and the node serving it
 //!   now (`memory` for the in-process backend);
 //!
@@ -53,10 +53,12 @@ use std::time::Duration;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum AddressDisplay {
-    /// The address itself (an IPv6 client as its prefix).
-    #[default]
+    /// The address itself (an IPv6 client as its prefix): an opt-in, for a
+    /// drill or an incident where the operator may see client addresses.
     Show,
-    /// `h:` and the first 8 hex digits of the bucket key.
+    /// `h:` and the first 8 hex digits of the bucket key: the default, so
+    /// that no client address reaches the metrics unless asked for.
+    #[default]
     Hash,
 }
 
