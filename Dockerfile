@@ -2,7 +2,7 @@
 # lockfile (dependencies in a layer of their own, rebuilt only when the
 # manifests change), then a small runtime image running as a non-root user.
 
-FROM rust:1.95.0-slim-bookworm AS build
+FROM rust:1.98.1-slim-trixie AS build
 WORKDIR /src
 # Dependencies first: the manifests and lockfile, with empty sources, so
 # this layer is cached until a dependency changes.
@@ -21,7 +21,7 @@ COPY lua lua
 RUN touch src/main.rs src/lib.rs \
  && cargo build --release --locked --package ratelimiter --bin ratelimiter
 
-FROM debian:12.8-slim
+FROM debian:13.6-slim
 # curl for the healthcheck; ca-certificates: the roots for TLS to a
 # collector, and to a rediss:// Redis without redis.tls_ca_file.
 # hadolint ignore=DL3008

@@ -144,6 +144,83 @@ fn service<'a>(compose: &'a Value, name: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("no service {name}"))
 }
 
+/// The images compose and the Dockerfile pin are exactly the ones
+/// docs/stack.md names, each with its reason; and Jaeger v2 reads the
+/// mounted config, whose OTLP port is the one the instances send to.
+#[test]
+fn the_images_are_the_ones_the_docs_name() {
+    let mut pinned = BTreeSet::new();
+    for line in read("docker-compose.yml").lines() {
+        if let Some(image) = line.trim().strip_prefix("image:") {
+            pinned.insert(image.trim().to_owned());
+        }
+    }
+    for line in read("Dockerfile").lines() {
+        if let Some(from) = line.strip_prefix("FROM ") {
+            pinned.insert(from.split_whitespace().next().unwrap().to_owned());
+        }
+    }
+    // Built here, not pulled.
+    pinned.remove("ratelimiter:local");
+    let docs = read("docs/stack.md");
+    let section = docs
+        .split("## Images")
+        .nth(1)
+        .expect("docs/stack.md has an Images section")
+        .split("\n## ")
+        .next()
+        .unwrap();
+    let named: BTreeSet<String> = section
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `"))
+        .filter_map(|l| l.split('`').next())
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(
+        pinned, named,
+        "docker-compose.yml and the Dockerfile against the docs"
+    );
+    for image in &pinned {
+        let tag = image.rsplit(':').next().unwrap();
+        assert!(
+            image.contains(':') && tag != "latest" && tag.chars().any(|c| c.is_ascii_digit()),
+            "{image}: pinned to a version"
+        );
+    }
+    // Jaeger v2: its config is mounted from the repository, and receives
+    // OTLP over HTTP where the instances send it.
+    let compose = compose();
+    let jaeger = service(&compose, "jaeger");
+    let command: Vec<String> = jaeger["command"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(text)
+        .collect();
+    let config = command[command.iter().position(|a| a == "--config").unwrap() + 1].clone();
+    let mount = jaeger["volumes"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(text)
+        .find(|v| v.split(':').nth(1) == Some(config.as_str()))
+        .expect("the config is mounted");
+    let file = read(mount.split(':').next().unwrap().trim_start_matches("./"));
+    let config: Value = serde_yaml::from_str(&file).unwrap();
+    let http = text(&config["receivers"]["otlp"]["protocols"]["http"]["endpoint"]);
+    let api = environment(service(&compose, "api-1"));
+    let port = api["OTEL_EXPORTER_OTLP_ENDPOINT"]
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .to_owned();
+    assert_eq!(http, format!("0.0.0.0:{port}"));
+    assert_eq!(
+        text(&config["extensions"]["jaeger_query"]["http"]["endpoint"]),
+        "0.0.0.0:16686"
+    );
+}
+
 /// Every service, port and mounted file the pieces name agrees.
 #[test]
 fn compose_nginx_prometheus_and_grafana_agree() {
