@@ -76,7 +76,22 @@ impl RedisServer {
 
     /// On a free port, with extra server arguments.
     pub fn start_with(extra: &[&str]) -> anyhow::Result<Self> {
-        Self::start_on(free_port()?, extra)
+        Self::on_a_free_port(|port| Self::start_on(port, extra))
+    }
+
+    /// `start` on a free port, again on another if the server could not
+    /// listen: a port free when handed out can be taken before the server
+    /// binds it (an outgoing connection's ephemeral port, another process's
+    /// test), and a test must not fail for that.
+    fn on_a_free_port(start: impl Fn(u16) -> anyhow::Result<Self>) -> anyhow::Result<Self> {
+        let mut last = None;
+        for _ in 0..3 {
+            match start(free_port()?) {
+                Ok(server) => return Ok(server),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.expect("three attempts")).context("redis-server on a free port, three times")
     }
 
     /// On a given port (a test that has pointed a service at it already).
@@ -87,18 +102,16 @@ impl RedisServer {
     /// On a free port, pinned to one CPU with `taskset` (so a benchmark's
     /// client and server do not share a core).
     pub fn start_pinned(cpu: usize) -> anyhow::Result<Self> {
-        Self::launch(free_port()?, &[], Some(cpu))
+        Self::on_a_free_port(|port| Self::launch(port, &[], Some(cpu)))
     }
 
     /// On a free port that speaks TLS only (`rediss://`), with `certs`'
     /// server certificate; with `client_auth`, clients must show one the
     /// CA signed. redis-cli ([`RedisServer::cli`]) speaks TLS to it.
     pub fn start_tls(certs: &TestCerts, client_auth: bool, extra: &[&str]) -> anyhow::Result<Self> {
-        Self::launch_tls(
-            free_port()?,
-            extra,
-            Some(ServerTls::new(certs, client_auth)),
-        )
+        Self::on_a_free_port(|port| {
+            Self::launch_tls(port, extra, Some(ServerTls::new(certs, client_auth)))
+        })
     }
 
     fn launch(port: u16, extra: &[&str], pin: Option<usize>) -> anyhow::Result<Self> {
