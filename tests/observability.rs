@@ -281,8 +281,10 @@ struct Scraped {
     prometheus: String,
     exporter_metrics: String,
     cgroup_metrics: String,
+    /// The instance (killed by the test of what breaks).
+    instance: ChildGuard,
     _children: Vec<ChildGuard>,
-    _redis: RedisServer,
+    redis: RedisServer,
     _dir: TempDir,
     load: tokio::task::JoinHandle<()>,
 }
@@ -359,7 +361,6 @@ async fn scraped() -> Scraped {
             .unwrap(),
     );
     wait_for_listener(&mut instance, api_port, "ratelimiter").unwrap();
-    children.push(instance);
     // Prometheus: every second, with the repository's alert rules and its
     // relabelling of the cgroup counters (redis-1 is this node).
     let prometheus_port = free_port().unwrap();
@@ -447,8 +448,9 @@ async fn scraped() -> Scraped {
         prometheus: format!("http://127.0.0.1:{prometheus_port}"),
         exporter_metrics,
         cgroup_metrics,
+        instance,
         _children: children,
-        _redis: redis,
+        redis,
         _dir: dir,
         load,
     }
@@ -656,4 +658,33 @@ async fn every_metric_the_dashboards_and_alerts_name_is_exported() {
             .into_iter()
             .eq(["a:b:c".to_owned(), "container_spec_cpu_quota".to_owned()])
     );
+}
+
+/// What breaks outright, broken for real: Redis killed while its exporter
+/// answers fires `RedisNodeDown` within its 30 s, and the instance stopped
+/// fires `RateLimitInstanceDown` within its minute, on a real Prometheus
+/// evaluating the repository's rules.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_node_and_a_stopped_instance_fire_their_alerts() {
+    let mut stack = scraped().await;
+    stack.load.abort();
+    stack.redis.kill().unwrap();
+    stack.instance.0.kill().unwrap();
+    let _ = stack.instance.0.wait();
+    let wanted = ["RedisNodeDown", "RateLimitInstanceDown"];
+    let deadline = Instant::now() + Duration::from_secs(150);
+    let mut firing = BTreeSet::new();
+    while Instant::now() < deadline {
+        firing = query(&stack.prometheus, "ALERTS{alertstate=\"firing\"}")
+            .await
+            .unwrap()
+            .iter()
+            .filter_map(|a| a["metric"]["alertname"].as_str().map(str::to_owned))
+            .collect();
+        if wanted.iter().all(|w| firing.contains(*w)) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    panic!("firing after 150 s: {firing:?}, wanted {wanted:?}");
 }
