@@ -1,6 +1,7 @@
 //! The documentation stays true to the tree: every relative link leads to a
 //! file (and a heading, where it names one), every test a page cites by
-//! name exists, and the README stays short enough to read in one sitting.
+//! name exists, every repository path it names is there, and the README
+//! stays short enough to read in one sitting.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -192,6 +193,60 @@ fn every_test_the_docs_cite_by_name_exists() {
     assert!(cited > 50, "only {cited} names cited");
 }
 
+/// Paths in backticks that name a file or folder of the repository
+/// (`src/store/mod.rs`, `runbooks/`), as opposed to a pattern or a
+/// placeholder (`benches/peers/peer_*.rs`, `target/<profile>/`).
+fn cited_paths(text: &str) -> BTreeSet<String> {
+    const TOP: [&str; 14] = [
+        "src/",
+        "tests/",
+        "loadtest/",
+        "testkit/",
+        "benches/",
+        "examples/",
+        "scripts/",
+        "config/",
+        "docs/",
+        "runbooks/",
+        "grafana/",
+        "prometheus/",
+        "nginx/",
+        "lua/",
+    ];
+    let mut out = BTreeSet::new();
+    for line in prose(text) {
+        for (i, part) in line.split('`').enumerate() {
+            let path_like = i % 2 == 1
+                && TOP.iter().any(|t| part.starts_with(t))
+                && part
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "_./-".contains(c));
+            if path_like {
+                out.insert(part.to_owned());
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn every_path_the_docs_name_exists() {
+    let mut missing = Vec::new();
+    let mut cited = 0;
+    for page in pages() {
+        let text = std::fs::read_to_string(&page).unwrap();
+        for path in cited_paths(&text) {
+            cited += 1;
+            if !root().join(path.trim_end_matches('/')).exists() {
+                let page = page.strip_prefix(root()).unwrap().display();
+                missing.push(format!("{page}: {path}"));
+            }
+        }
+    }
+    assert!(missing.is_empty(), "no such path:\n{}", missing.join("\n"));
+    assert!(cited > 100, "only {cited} paths cited");
+}
+
 #[test]
 fn the_readme_is_read_in_one_sitting() {
     let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
@@ -219,5 +274,9 @@ fn the_checks_read_links_anchors_and_names() {
     assert_eq!(
         cited_names("`one_two_three_four` `a_b` `x.y_z_w_v` `Not_a_test_name`"),
         ["one_two_three_four".to_owned()].into()
+    );
+    assert_eq!(
+        cited_paths("`src/a.rs` `runbooks/` `benches/peer_*.rs` `target/x` `src/<n>`"),
+        ["runbooks/".to_owned(), "src/a.rs".to_owned()].into()
     );
 }

@@ -13,7 +13,7 @@
 //!   admit; a request that costs less is passed down, since fewer tokens
 //!   may already be there.
 //!
-//! `src/mitigation/tests.rs` checks both against the exact cores, for every
+//! `src/mitigation/tests/mod.rs` checks both against the exact cores, for every
 //! algorithm, one instance and several. Not remembered: anything but the
 //! backend store's own answers (a local share's denial is not a fact about
 //! the shared bucket). A denial under a hand-back ceiling

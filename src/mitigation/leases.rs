@@ -20,7 +20,7 @@
 //! the lease lives exactly that long (not at all if that is not positive:
 //! the request's own cost is spent and the rest is dropped). Held or
 //! shared, every token is then one the exact bucket would have had:
-//! `src/mitigation/tests.rs` feeds everything a fleet admitted, in any
+//! `src/mitigation/tests/leases.rs` feeds everything a fleet admitted, in any
 //! interleaving, to one exact bucket, which must admit it all.
 //!
 //! **Only when it can be held.** A lease taken from a bucket that is

@@ -27,7 +27,7 @@
 //! **What it costs in accuracy.** Never over-admission: in any interval
 //! `t`, sub-bucket `i` admits at most `burst/S + rate·t/S`, so all of them
 //! together at most `burst + rate·t`, which is what one exact bucket allows
-//! (`src/mitigation/tests.rs` feeds everything a fleet admitted to one
+//! (`src/mitigation/tests/shards.rs` feeds everything a fleet admitted to one
 //! exact bucket). Under-admission, measured (docs/hot-keys.md): the
 //! `burst mod S` tokens the rounding drops, and a request that finds its
 //! sub-bucket empty while another still holds tokens (a burst larger than
