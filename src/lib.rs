@@ -37,6 +37,68 @@
 //! - [`metrics`]: every metric name, in one place.
 //! - [`key`], [`clock`]: shared vocabulary (bucket keys, time as a value
 //!   passed in), importing nothing of the crate.
+//!
+//! # In your own axum service
+//!
+//! The policy in TOML, the store stack it names, and a route layer that
+//! asks the [`limiter::Limiter`] about each request: a refusal
+//! ([`middleware::Verdict::Answer`]: 429 problem+json with `Retry-After`,
+//! or 503 where a policy fails closed) is answered in the handler's place,
+//! an admission gets the `RateLimit` fields. `backend = "lua"` and a
+//! `[redis]` table share the buckets through Redis, with the deadline, the
+//! breaker and the local share in front of it. `examples/axum_service.rs`
+//! is the same as a program to run.
+//!
+//! ```no_run
+//! use axum::extract::{ConnectInfo, MatchedPath, Request, State};
+//! use axum::middleware::{from_fn_with_state, Next};
+//! use axum::response::Response;
+//! use axum::{routing::get, Router};
+//! use ratelimiter::{clock::SystemClock, config::Config, limiter::Limiter};
+//! use ratelimiter::{middleware::Verdict, server};
+//! use std::{net::SocketAddr, sync::Arc};
+//!
+//! async fn limit(
+//!     State(limiter): State<Arc<Limiter>>,
+//!     ConnectInfo(peer): ConnectInfo<SocketAddr>,
+//!     route: MatchedPath,
+//!     request: Request,
+//!     next: Next,
+//! ) -> Response {
+//!     let (method, headers) = (request.method(), request.headers());
+//!     let outcome = limiter.check(route.as_str(), method, headers, Some(peer.ip())).await;
+//!     match Verdict::from(outcome) {
+//!         Verdict::Answer(refusal) => refusal,
+//!         Verdict::Pass(fields) => {
+//!             let mut response = next.run(request).await;
+//!             fields.write_to(response.headers_mut());
+//!             response
+//!         }
+//!     }
+//! }
+//!
+//! # #[tokio::main]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let config = Config::from_toml(
+//!     r#"
+//!     [[policies]]
+//!     name = "hello"
+//!     route = "/hello"
+//!     burst = 3
+//!     rate = 1
+//!     per = "1s"
+//!     "#,
+//! )?;
+//! let stack = server::build_stack(&config).await?;
+//! let limiter = Arc::new(server::build_limiter(&config, stack.store, Arc::new(SystemClock)));
+//! let app = Router::new()
+//!     .route("/hello", get(|| async { "hello\n" }))
+//!     .route_layer(from_fn_with_state(limiter, limit));
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
+//! axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>()).await?;
+//! # Ok(())
+//! # }
+//! ```
 
 pub mod algorithm;
 pub mod api;
