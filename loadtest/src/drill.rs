@@ -360,24 +360,9 @@ pub async fn run(args: DrillArgs) -> anyhow::Result<()> {
         })
         .collect();
     let (incident_from, incident_until) = bounds[1];
-    let hot = hot_checks
-        .iter()
-        .filter(|(l, _)| l.get("key_kind").map(String::as_str) == Some("ip"))
-        .max_by(|a, b| {
-            let m = |s: &(BTreeMap<String, String>, Vec<(f64, f64)>)| {
-                mean(&s.1, incident_from, incident_until).unwrap_or(0.0)
-            };
-            m(a).total_cmp(&m(b))
-        })
-        .map(|(l, _)| l.clone());
-    let key = hot
-        .as_ref()
-        .and_then(|l| l.get("key").cloned())
-        .unwrap_or_default();
-    let node = hot
-        .as_ref()
-        .and_then(|l| l.get("node").cloned())
-        .unwrap_or_default();
+    let hot = panels::highest(&hot_checks, "key_kind", "ip", incident_from, incident_until);
+    let key = hot.and_then(|l| l.get("key").cloned()).unwrap_or_default();
+    let node = hot.and_then(|l| l.get("node").cloned()).unwrap_or_default();
     let of_key = |series: &Series| -> Vec<(f64, f64)> {
         series
             .iter()

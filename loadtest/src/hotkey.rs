@@ -353,23 +353,18 @@ async fn report(
     // before any mitigation moved it.
     let surge_secs = (surge.from.as_secs_f64(), surge.until.as_secs_f64());
     let unmitigated = surge.mitigated.map_or(surge_secs.1, |m| m.as_secs_f64());
-    let in_surge = |p: &[(f64, f64)]| mean(p, surge_secs.0, unmitigated).unwrap_or(0.0);
+    let hottest =
+        |name: &str, value: &str| panels::highest(&share, name, value, surge_secs.0, unmitigated);
     let mut who = identity(surge);
-    if surge.key.is_none() && !share.iter().any(|(l, _)| l.get("key") == Some(&who)) {
+    if surge.key.is_none() && hottest("key", &who).is_none() {
         // Addresses are hashed in the labels (the default): the proxy's is
         // the anonymous key with the highest share in the surge.
-        who = share
-            .iter()
-            .filter(|(l, _)| l.get("key_kind").map(String::as_str) == Some("ip"))
-            .max_by(|a, b| in_surge(&a.1).total_cmp(&in_surge(&b.1)))
-            .and_then(|(l, _)| l.get("key").cloned())
+        who = hottest("key_kind", "ip")
+            .and_then(|l| l.get("key").cloned())
             .unwrap_or(who);
     }
-    let node = share
-        .iter()
-        .filter(|(l, _)| l.get("key") == Some(&who))
-        .max_by(|a, b| in_surge(&a.1).total_cmp(&in_surge(&b.1)))
-        .and_then(|(l, _)| l.get("node").cloned())
+    let node = hottest("key", &who)
+        .and_then(|l| l.get("node").cloned())
         .unwrap_or_default();
     let of_node = |s: &Series| panels::with_label(s, "node", &node);
     // The key's share: its highest on any node, each moment.

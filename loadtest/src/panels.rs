@@ -132,6 +132,23 @@ pub fn with_label(series: &Series, name: &str, value: &str) -> Vec<(f64, f64)> {
         .collect()
 }
 
+/// The labels of the series whose label `name` is `value` with the
+/// highest mean within `[from, until)` seconds.
+pub fn highest<'a>(
+    series: &'a Series,
+    name: &str,
+    value: &str,
+    from: f64,
+    until: f64,
+) -> Option<&'a BTreeMap<String, String>> {
+    let m = |p: &[(f64, f64)]| mean(p, from, until).unwrap_or(0.0);
+    series
+        .iter()
+        .filter(|(l, _)| l.get(name).map(String::as_str) == Some(value))
+        .max_by(|a, b| m(&a.1).total_cmp(&m(&b.1)))
+        .map(|(l, _)| l)
+}
+
 /// Every series' points together.
 pub fn all(series: &Series) -> Vec<(f64, f64)> {
     series.iter().flat_map(|(_, p)| p.iter().copied()).collect()
@@ -303,6 +320,26 @@ mod tests {
         let points = [(0.0, 1.0), (5.0, 3.0), (10.0, 100.0), (7.0, f64::NAN)];
         assert_eq!(mean(&points, 0.0, 10.0), Some(2.0));
         assert_eq!(mean(&points, 20.0, 30.0), None);
+    }
+
+    #[test]
+    fn the_highest_series_is_the_highest_within_the_interval() {
+        let series = |key: &str, kind: &str, points: Vec<(f64, f64)>| {
+            let l = BTreeMap::from([
+                ("key".to_owned(), key.to_owned()),
+                ("key_kind".to_owned(), kind.to_owned()),
+            ]);
+            (l, points)
+        };
+        let share: Series = vec![
+            series("h:0a1b2c3d", "ip", vec![(10.0, 0.9), (50.0, 0.1)]),
+            series("h:ffee0011", "ip", vec![(10.0, 0.2), (50.0, 0.8)]),
+            series("tenant-08", "api_key", vec![(10.0, 1.0), (50.0, 1.0)]),
+        ];
+        let key = |from, until| highest(&share, "key_kind", "ip", from, until).map(|l| &l["key"]);
+        assert_eq!(key(0.0, 20.0).unwrap(), "h:0a1b2c3d");
+        assert_eq!(key(40.0, 60.0).unwrap(), "h:ffee0011");
+        assert!(highest(&share, "key_kind", "unknown_api_key", 0.0, 60.0).is_none());
     }
 
     #[test]
