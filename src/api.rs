@@ -322,23 +322,20 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     // when traffic stops rather than keep the last check's value.
     state.health.recent();
     let mut text = state.metrics.render();
-    // The hot keys are rendered now, not kept by the recorder: a key that
-    // cooled down must leave the page, and the recorder never forgets a
-    // series.
-    // So is the process's CPU, memory and descriptors, from /proc.
-    for part in [state.limiter.get().render_hot_keys(), process_metrics()] {
+    let end_line = |text: &mut String| {
         if !text.is_empty() && !text.ends_with('\n') {
             text.push('\n');
         }
-        text.push_str(&part);
-    }
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
-}
-
-fn process_metrics() -> String {
-    let mut text = String::new();
+    };
+    // The hot keys are rendered now, not kept by the recorder: a key that
+    // cooled down must leave the page, and the recorder never forgets a
+    // series.
+    end_line(&mut text);
+    text.push_str(&state.limiter.get().render_hot_keys());
+    // So are the process's CPU, memory and descriptors, read from /proc.
+    end_line(&mut text);
     crate::metrics::process::render(&mut text);
-    text
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
 }
 
 /// The whole service: the sample API behind the limiter, plus operations

@@ -6,8 +6,8 @@
 //! or shape responses; those belong to the limiter and the middleware.
 //!
 //! Stores stack the way tower layers do: a wrapper holds a store and is a
-//! [`Layer`], so a [`Store`] itself, and the layers are assembled in one place at start-up
-//! (`server.rs`) and each stays a room of its own:
+//! [`Layer`], so a [`Store`] itself, and the layers are assembled in one
+//! place at start-up (`server.rs`) and each stays a room of its own:
 //!
 //! ```text
 //! Sharded<DenyCache<Leases<Failover<Counted<Deadline<LuaStore>>>>>>   (backend lua or naive)
