@@ -289,6 +289,33 @@ struct Scraped {
     load: tokio::task::JoinHandle<()>,
 }
 
+/// redis_exporter on the Redis at `url`, listening on a free port: the
+/// exporter and its port.
+fn redis_exporter(url: &str) -> (ChildGuard, u16) {
+    let port = free_port().unwrap();
+    let mut exporter = ChildGuard(
+        Command::new("prometheus-redis-exporter")
+            .args(["--redis.addr", url])
+            .args(["--web.listen-address", &format!("127.0.0.1:{port}")])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("prometheus-redis-exporter is installed (Debian package)"),
+    );
+    wait_for_listener(&mut exporter, port, "redis exporter").unwrap();
+    (exporter, port)
+}
+
+/// What `/metrics` on 127.0.0.1:`port` serves.
+async fn metrics_text(port: u16) -> String {
+    reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
 async fn scraped() -> Scraped {
     let dir = TempDir::new("observability").unwrap();
     let mut redis = RedisServer::start().unwrap();
@@ -315,20 +342,7 @@ async fn scraped() -> Scraped {
     wait_for_listener(&mut cgroups, cgroup_port, "cgroup exporter").unwrap();
     children.push(cgroups);
     // redis_exporter on its Redis.
-    let exporter_port = free_port().unwrap();
-    let mut exporter = ChildGuard(
-        Command::new("prometheus-redis-exporter")
-            .args(["--redis.addr", &redis.url()])
-            .args([
-                "--web.listen-address",
-                &format!("127.0.0.1:{exporter_port}"),
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("prometheus-redis-exporter is installed (Debian package)"),
-    );
-    wait_for_listener(&mut exporter, exporter_port, "redis exporter").unwrap();
+    let (exporter, exporter_port) = redis_exporter(&redis.url());
     children.push(exporter);
     // The instance: small limits, so throttling, near-limit and shadow
     // denials all happen under a little load.
@@ -432,18 +446,8 @@ async fn scraped() -> Scraped {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     });
-    let exporter_metrics = reqwest::get(format!("http://127.0.0.1:{exporter_port}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let cgroup_metrics = reqwest::get(format!("http://127.0.0.1:{cgroup_port}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let exporter_metrics = metrics_text(exporter_port).await;
+    let cgroup_metrics = metrics_text(cgroup_port).await;
     Scraped {
         prometheus: format!("http://127.0.0.1:{prometheus_port}"),
         exporter_metrics,
@@ -578,23 +582,8 @@ async fn every_panel_query_runs_on_a_real_prometheus_and_shows_data() {
 /// own metrics (`redis_cluster_state`) appear only in cluster mode.
 async fn cluster_exporter_metrics() -> String {
     let node = RedisServer::start_with(&["--cluster-enabled", "yes"]).unwrap();
-    let port = free_port().unwrap();
-    let mut exporter = ChildGuard(
-        Command::new("prometheus-redis-exporter")
-            .args(["--redis.addr", &node.url()])
-            .args(["--web.listen-address", &format!("127.0.0.1:{port}")])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("prometheus-redis-exporter is installed (Debian package)"),
-    );
-    wait_for_listener(&mut exporter, port, "cluster node's exporter").unwrap();
-    let text = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let (_exporter, port) = redis_exporter(&node.url());
+    let text = metrics_text(port).await;
     assert!(text.contains("redis_cluster_enabled 1"), "{text}");
     text
 }
