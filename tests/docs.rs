@@ -139,25 +139,50 @@ fn every_relative_link_in_the_docs_leads_to_a_file_and_heading() {
     assert!(checked > 100, "only {checked} links found");
 }
 
+/// The words of a page's prose in backticks.
+fn backticked(text: &str) -> Vec<&str> {
+    prose(text)
+        .into_iter()
+        .flat_map(|line| line.split('`').skip(1).step_by(2))
+        .collect()
+}
+
+/// Every item `cite` finds on a page that `exists` does not accept, as
+/// `page: item` lines, and how many items were cited in all.
+fn unmatched(
+    cite: impl Fn(&str) -> BTreeSet<String>,
+    exists: impl Fn(&str) -> bool,
+) -> (Vec<String>, usize) {
+    let mut missing = Vec::new();
+    let mut cited = 0;
+    for page in pages() {
+        let text = std::fs::read_to_string(&page).unwrap();
+        for item in cite(&text) {
+            cited += 1;
+            if !exists(&item) {
+                let page = page.strip_prefix(root()).unwrap().display();
+                missing.push(format!("{page}: {item}"));
+            }
+        }
+    }
+    (missing, cited)
+}
+
 /// Words in backticks shaped like a test's name: four or more snake-case
 /// words (`one_key_gets_exactly_what_the_maths_predicts`).
 fn cited_names(text: &str) -> BTreeSet<String> {
-    let mut out = BTreeSet::new();
-    for line in prose(text) {
-        for (i, part) in line.split('`').enumerate() {
-            let shaped = i % 2 == 1
-                && part.split('_').count() >= 4
+    backticked(text)
+        .into_iter()
+        .filter(|part| {
+            part.split('_').count() >= 4
                 && part.split('_').all(|w| {
                     !w.is_empty()
                         && w.chars()
                             .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
-                });
-            if shaped {
-                out.insert(part.to_owned());
-            }
-        }
-    }
-    out
+                })
+        })
+        .map(str::to_owned)
+        .collect()
 }
 
 #[test]
@@ -168,23 +193,13 @@ fn every_test_the_docs_cite_by_name_exists() {
         .filter_map(|p| std::fs::read_to_string(p).ok())
         .collect::<Vec<_>>()
         .join("\n");
-    let mut missing = Vec::new();
-    let mut cited = 0;
-    for page in pages() {
-        let text = std::fs::read_to_string(&page).unwrap();
-        for name in cited_names(&text) {
-            cited += 1;
-            // A test is a function; a metric, label or setting with the
-            // same shape is a quoted string somewhere in the code.
-            let defined = code.contains(&format!("fn {name}("))
-                || code.contains(&format!("\"{name}"))
-                || code.contains(&format!("{name}\""));
-            if !defined {
-                let page = page.strip_prefix(root()).unwrap().display();
-                missing.push(format!("{page}: {name}"));
-            }
-        }
-    }
+    // A test is a function; a metric, label or setting with the same
+    // shape is a quoted string somewhere in the code.
+    let (missing, cited) = unmatched(cited_names, |name| {
+        code.contains(&format!("fn {name}("))
+            || code.contains(&format!("\"{name}"))
+            || code.contains(&format!("{name}\""))
+    });
     assert!(
         missing.is_empty(),
         "cited but not in the code:\n{}",
@@ -197,7 +212,7 @@ fn every_test_the_docs_cite_by_name_exists() {
 /// (`src/store/mod.rs`, `runbooks/`), as opposed to a pattern or a
 /// placeholder (`benches/peers/peer_*.rs`, `target/<profile>/`).
 fn cited_paths(text: &str) -> BTreeSet<String> {
-    const TOP: [&str; 14] = [
+    const TOP: [&str; 15] = [
         "src/",
         "tests/",
         "loadtest/",
@@ -212,37 +227,25 @@ fn cited_paths(text: &str) -> BTreeSet<String> {
         "prometheus/",
         "nginx/",
         "lua/",
+        "jaeger/",
     ];
-    let mut out = BTreeSet::new();
-    for line in prose(text) {
-        for (i, part) in line.split('`').enumerate() {
-            let path_like = i % 2 == 1
-                && TOP.iter().any(|t| part.starts_with(t))
+    backticked(text)
+        .into_iter()
+        .filter(|part| {
+            TOP.iter().any(|t| part.starts_with(t))
                 && part
                     .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "_./-".contains(c));
-            if path_like {
-                out.insert(part.to_owned());
-            }
-        }
-    }
-    out
+                    .all(|c| c.is_ascii_alphanumeric() || "_./-".contains(c))
+        })
+        .map(str::to_owned)
+        .collect()
 }
 
 #[test]
 fn every_path_the_docs_name_exists() {
-    let mut missing = Vec::new();
-    let mut cited = 0;
-    for page in pages() {
-        let text = std::fs::read_to_string(&page).unwrap();
-        for path in cited_paths(&text) {
-            cited += 1;
-            if !root().join(path.trim_end_matches('/')).exists() {
-                let page = page.strip_prefix(root()).unwrap().display();
-                missing.push(format!("{page}: {path}"));
-            }
-        }
-    }
+    let (missing, cited) = unmatched(cited_paths, |path| {
+        root().join(path.trim_end_matches('/')).exists()
+    });
     assert!(missing.is_empty(), "no such path:\n{}", missing.join("\n"));
     assert!(cited > 100, "only {cited} paths cited");
 }
