@@ -262,7 +262,9 @@ impl Health {
 /// checks of the last `RECENT_WINDOW` (a breaker flapping open and shut,
 /// checks missing their deadline, scripts Redis refuses: the instance is
 /// running on its fallback though Redis answers this instant). Both are
-/// reported as they are (`fallback_share`, `breaker_opens`). Only the
+/// reported as they are (`fallback_share`, `breaker_opens`), with the
+/// nodes whose breaker is not closed (`degraded_nodes`: in a cluster,
+/// only their keys are on the fallback; `breaker` is the worst). Only the
 /// `closed` failure mode makes `degraded` a 503: otherwise the instance
 /// still serves, and pulling every instance out of the balancer would turn
 /// a Redis blip into an outage.
@@ -296,6 +298,19 @@ async fn readyz(State(state): State<AppState>) -> Response {
     let mut body = serde_json::json!({
         "status": "ready", "backend": backend, "breaker": breaker,
     });
+    let degraded = health
+        .breaker
+        .as_ref()
+        .map(BreakerHandle::degraded)
+        .unwrap_or_default();
+    if !degraded.is_empty() {
+        // The nodes whose keys the failure mode decides now; the others'
+        // keys are still Redis's.
+        body["degraded_nodes"] = degraded
+            .iter()
+            .map(|(node, state)| serde_json::json!({"node": &**node, "breaker": state.as_str()}))
+            .collect();
+    }
     if let Some(r) = recent {
         // Three decimals: a share, not a measurement to the last check.
         body["fallback_share"] = serde_json::json!((r.fallback_share * 1000.0).round() / 1000.0);

@@ -49,8 +49,9 @@ pub const NEAR_LIMIT_TOTAL: &str = "ratelimit_near_limit_total";
 /// down shows here first). A check the stack answers when called (the
 /// in-process store, a deny-cache hit, a spent lease) never waits.
 pub const CHECKS_IN_FLIGHT: &str = "ratelimit_checks_in_flight";
-/// Gauge: 1 while this instance's Redis breaker is not closed, so policies
-/// are decided by their failure mode (local share, open or closed).
+/// Gauge: 1 while one of this instance's Redis breakers (one per node) is
+/// not closed, so the keys on that node are decided by their policy's
+/// failure mode (local share, open or closed).
 pub const FALLBACK_ACTIVE: &str = "ratelimit_fallback_active";
 /// Gauge: the share (0 to 1) of this instance's checks over the last 10 s
 /// (`failover::RECENT_WINDOW`) that its failure mode decided (local
@@ -65,9 +66,11 @@ pub const FALLBACK_SHARE: &str = "ratelimit_fallback_share";
 /// saturated CPU, and the breaker counts Redis alive; `failed`: it failed
 /// or never answered, and the breaker counts a failure).
 pub const LATE_ANSWERS_TOTAL: &str = "ratelimit_late_answers_total";
-/// Gauge: the Redis circuit breaker: 0 closed, 1 half-open, 2 open.
+/// Gauge: a Redis node's circuit breaker: 0 closed, 1 half-open, 2 open.
+/// Labels: `node` (`host:port`; a node no check has gone to for 10 s, as
+/// a master that failed over, reads 0 and is no longer kept).
 pub const BREAKER_STATE: &str = "ratelimit_breaker_state";
-/// Counter: breaker state changes. Labels: `from`, `to`
+/// Counter: breaker state changes. Labels: `node`, `from`, `to`
 /// (`closed`|`open`|`half_open`).
 pub const BREAKER_TRANSITIONS_TOTAL: &str = "ratelimit_breaker_transitions_total";
 /// Histogram: time spent deciding (store round trip included). Labels:
@@ -354,7 +357,7 @@ fn describe() {
     );
     metrics::describe_gauge!(
         BREAKER_STATE,
-        "Redis circuit breaker: 0 closed, 1 half-open, 2 open"
+        "A Redis node's circuit breaker: 0 closed, 1 half-open, 2 open"
     );
     metrics::describe_counter!(BREAKER_TRANSITIONS_TOTAL, "Circuit breaker state changes");
 }

@@ -389,7 +389,7 @@ async fn failing_local_enforces_the_share_and_says_so_in_the_headers() {
         r#"ratelimit_decisions_total{policy="api",decision="allowed",key_kind="ip",source="local"}"#,
         r#"ratelimit_decisions_total{policy="api",decision="denied",key_kind="ip",source="local"}"#,
         r#"ratelimit_store_errors_total{backend="broken",kind="connection_refused"}"#,
-        r#"ratelimit_breaker_transitions_total{from="closed",to="open"}"#,
+        r#"ratelimit_breaker_transitions_total{node="broken",from="closed",to="open"}"#,
     ] {
         assert!(metrics.contains(line), "{line} missing from:\n{metrics}");
     }
@@ -397,7 +397,9 @@ async fn failing_local_enforces_the_share_and_says_so_in_the_headers() {
     let (status, _, body) = send(&app, request("GET", "/readyz", &[], None)).await;
     assert_eq!(status, StatusCode::OK);
     assert!(
-        body.contains("\"degraded\"") && body.contains("\"local\""),
+        body.contains("\"degraded\"")
+            && body.contains("\"local\"")
+            && body.contains(r#""degraded_nodes":[{"breaker":"open","node":"broken"}]"#),
         "{body}"
     );
     // A policy's own failure mode overrides the default.

@@ -157,15 +157,20 @@ async fn a_starved_instance_does_not_abandon_a_healthy_redis() {
         misses >= 1.0,
         "no check missed its deadline in a minute at 3 % of a core: the test proved nothing"
     );
+    let node = format!("127.0.0.1:{}", redis.port);
     let opened = metric(
         &text,
-        "ratelimit_breaker_transitions_total{from=\"closed\",to=\"open\"}",
+        &format!(
+            "ratelimit_breaker_transitions_total{{node=\"{node}\",from=\"closed\",to=\"open\"}}"
+        ),
     );
     assert_eq!(
         opened, 0.0,
         "{misses} deadline misses opened the breaker on a healthy Redis"
     );
-    assert_eq!(metric(&text, "ratelimit_breaker_state"), 0.0);
+    let state = format!("ratelimit_breaker_state{{node=\"{node}\"}}");
+    assert!(text.contains(&state), "no {state} in:\n{text}");
+    assert_eq!(metric(&text, &state), 0.0);
     assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
     // Every miss was answered, late (the last ones may still be on their
     // way when /metrics was read).

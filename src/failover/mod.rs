@@ -6,9 +6,12 @@
 //! Redis check has a deadline (default 10 ms, against a loopback round trip
 //! of ~0.1 ms): a request never waits on Redis longer than that. A check
 //! that fails or misses it is decided by the policy's failure mode (carried
-//! by the [`Check`]), and so is every check while the [`Breaker`] is open
-//! (after repeated failures nobody calls Redis for a cooldown; then one
-//! probe does).
+//! by the [`Check`]), and so is every check while its node's [`Breaker`]
+//! is open (after repeated failures nobody calls that node for a cooldown;
+//! then one probe does). There is a breaker per Redis node: in a cluster a
+//! dead master sends only the keys of its slots to the failure mode, and
+//! the other masters' keys stay exact; when its replica takes the slots
+//! over, that node's own breaker (closed) takes the keys back.
 //!
 //! | mode | while Redis is away | the risk it takes |
 //! |---|---|---|
@@ -97,7 +100,8 @@ pub const RECENT_WINDOW: Duration = Duration::from_secs(10);
 /// request in twenty.
 pub const DEGRADED_SHARE: f64 = 0.05;
 
-/// A shared handle on a [`Failover`]'s breaker: what `/readyz` reports.
+/// A shared handle on a [`Failover`]'s breakers, one per Redis node: what
+/// `/readyz` and `/metrics` report.
 #[derive(Debug, Clone)]
 pub struct BreakerHandle {
     shared: Arc<BreakerCell>,
@@ -105,41 +109,155 @@ pub struct BreakerHandle {
 
 #[derive(Debug)]
 struct BreakerCell {
-    breaker: Mutex<Breaker>,
+    nodes: Mutex<Nodes>,
     /// The checks of the last [`RECENT_WINDOW`], and who decided them.
     recent: Mutex<Recent>,
-    /// The breaker's clock: monotonic, so a wall clock stepping back cannot
-    /// hold it open (bucket state uses the wall clock `now`, shared with
-    /// other instances; the breaker is this process's alone).
+    /// The breakers' clock: monotonic, so a wall clock stepping back cannot
+    /// hold one open (bucket state uses the wall clock `now`, shared with
+    /// other instances; the breakers are this process's alone).
     epoch: tokio::time::Instant,
 }
 
+/// The breakers by node, and how to make one for a node seen first.
+#[derive(Debug)]
+struct Nodes {
+    list: Vec<NodeBreaker>,
+    failures: u32,
+    cooldown: Duration,
+    /// Whether the nodes change (a cluster's slots move, its masters fail
+    /// over): a breaker its node no longer serves is then forgotten.
+    moving: bool,
+}
+
+#[derive(Debug)]
+struct NodeBreaker {
+    node: Arc<str>,
+    breaker: Breaker,
+    /// When a check last went to (or was kept from) this node.
+    seen: Micros,
+}
+
+impl Nodes {
+    /// `node`'s breaker, made closed if it has none yet.
+    fn get(&mut self, node: &Arc<str>, now: Micros) -> &mut NodeBreaker {
+        let at = match self
+            .list
+            .iter()
+            .position(|n| Arc::ptr_eq(&n.node, node) || n.node == *node)
+        {
+            Some(at) => at,
+            None => {
+                self.forget(now);
+                gauge_state(node, BreakerState::Closed);
+                self.list.push(NodeBreaker {
+                    node: Arc::clone(node),
+                    breaker: Breaker::new(self.failures, self.cooldown),
+                    seen: now,
+                });
+                self.list.len() - 1
+            }
+        };
+        let entry = &mut self.list[at];
+        entry.seen = now;
+        entry
+    }
+
+    /// Drops the breakers of nodes no check went to for a
+    /// [`RECENT_WINDOW`]: in a cluster, a master that failed over or lost
+    /// its slots (its breaker would otherwise read open for ever). A node
+    /// that was only quiet loses a closed breaker, or an open one that a
+    /// check to it would soon open again.
+    fn forget(&mut self, now: Micros) {
+        if !self.moving {
+            return;
+        }
+        let window = u64::try_from(RECENT_WINDOW.as_micros()).unwrap_or(u64::MAX);
+        self.list.retain(|n| {
+            let keep = now.saturating_sub(n.seen) < window;
+            if !keep {
+                gauge_state(&n.node, BreakerState::Closed);
+            }
+            keep
+        });
+        self.gauge_active();
+    }
+
+    /// The worst state of any node's breaker.
+    fn worst(&self) -> BreakerState {
+        self.list
+            .iter()
+            .map(|n| n.breaker.state())
+            .max_by(|a, b| a.gauge().total_cmp(&b.gauge()))
+            .unwrap_or(BreakerState::Closed)
+    }
+
+    fn gauge_active(&self) {
+        let active = self.worst() != BreakerState::Closed;
+        metrics::gauge!(m::FALLBACK_ACTIVE).set(if active { 1.0 } else { 0.0 });
+    }
+}
+
+fn gauge_state(node: &Arc<str>, state: BreakerState) {
+    metrics::gauge!(m::BREAKER_STATE, "node" => node.to_string()).set(state.gauge());
+}
+
 impl BreakerHandle {
-    fn new(failures: u32, cooldown: Duration) -> Self {
+    /// Breakers that open after `failures` consecutive failures of their
+    /// node, for `cooldown`; `first` is the node of a store that has one
+    /// (its breaker, closed, shown from the start), `None` for one whose
+    /// nodes are learned as checks go to them.
+    fn new(failures: u32, cooldown: Duration, first: Option<Arc<str>>) -> Self {
         metrics::gauge!(m::FALLBACK_ACTIVE).set(0.0);
         // At zero from the start, so a dashboard's rate shows 0, not no data.
         for outcome in ["answered", "failed"] {
             metrics::counter!(m::LATE_ANSWERS_TOTAL, "outcome" => outcome).increment(0);
         }
-        metrics::gauge!(m::BREAKER_STATE).set(BreakerState::Closed.gauge());
+        let mut nodes = Nodes {
+            list: Vec::new(),
+            failures,
+            cooldown,
+            moving: first.is_none(),
+        };
+        if let Some(node) = &first {
+            nodes.get(node, 0);
+        }
         Self {
             shared: Arc::new(BreakerCell {
-                breaker: Mutex::new(Breaker::new(failures, cooldown)),
+                nodes: Mutex::new(nodes),
                 recent: Mutex::new(Recent::new(RECENT_WINDOW, 0)),
                 epoch: tokio::time::Instant::now(),
             }),
         }
     }
 
-    /// The breaker's state now.
+    /// The worst state of any node's breaker now (closed when every node
+    /// is called).
     pub fn state(&self) -> BreakerState {
-        self.lock().state()
+        let now = self.monotonic();
+        let mut nodes = self.lock();
+        nodes.forget(now);
+        nodes.worst()
+    }
+
+    /// The nodes whose breaker is not closed (their keys decided by the
+    /// failure mode), with its state, in the order they were first seen.
+    pub fn degraded(&self) -> Vec<(Arc<str>, BreakerState)> {
+        let now = self.monotonic();
+        let mut nodes = self.lock();
+        nodes.forget(now);
+        nodes
+            .list
+            .iter()
+            .filter(|n| n.breaker.state() != BreakerState::Closed)
+            .map(|n| (Arc::clone(&n.node), n.breaker.state()))
+            .collect()
     }
 
     /// How much the failure mode decided over the last [`RECENT_WINDOW`],
-    /// and how often the breaker opened.
+    /// and how often a breaker opened.
     pub fn recent(&self) -> RecentShare {
         let now = self.monotonic();
+        self.lock().forget(now);
         self.lock_recent().share(now)
     }
 
@@ -157,50 +275,53 @@ impl BreakerHandle {
         self.lock_recent().decided(at, fallback);
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Breaker> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Nodes> {
         self.shared
-            .breaker
+            .nodes
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Microseconds on the breaker's monotonic clock.
+    /// Microseconds on the breakers' monotonic clock.
     fn monotonic(&self) -> Micros {
         u64::try_from(self.shared.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
     }
 
-    /// Whether a check may call the store now, and when now is.
-    fn permit(&self) -> (Permit, Micros) {
+    /// Whether a check may call `node` now, and when now is.
+    fn permit(&self, node: &Arc<str>) -> (Permit, Micros) {
         let now = self.monotonic();
-        let (permit, transition) = self.lock().permit(now);
+        let mut nodes = self.lock();
+        let (permit, transition) = nodes.get(node, now).breaker.permit(now);
         if let Some(t) = transition {
-            record(t);
+            record(&mut nodes, node, t);
         }
         (permit, now)
     }
 
-    fn success(&self, permit: Permit) {
-        let transition = self.lock().success(permit);
-        if let Some(t) = transition {
-            record(t);
+    fn success(&self, node: &Arc<str>, permit: Permit) {
+        let now = self.monotonic();
+        let mut nodes = self.lock();
+        if let Some(t) = nodes.get(node, now).breaker.success(permit) {
+            record(&mut nodes, node, t);
         }
     }
 
-    fn failure(&self, permit: Permit) {
+    fn failure(&self, node: &Arc<str>, permit: Permit) {
         let now = self.monotonic();
-        let transition = self.lock().failure(permit, now);
+        let mut nodes = self.lock();
+        let transition = nodes.get(node, now).breaker.failure(permit, now);
         if let Some(t) = transition {
             if t.to == BreakerState::Open {
                 self.lock_recent().opened(now);
             }
-            record(t);
+            record(&mut nodes, node, t);
         }
     }
 
-    /// How long until the next probe may go out.
-    fn wait(&self) -> Duration {
+    /// How long until `node`'s next probe may go out.
+    fn wait(&self, node: &Arc<str>) -> Duration {
         let now = self.monotonic();
-        self.lock().wait(now)
+        self.lock().get(node, now).breaker.wait(now)
     }
 }
 
@@ -215,17 +336,50 @@ pub struct Failover<S> {
     /// Whether checks carry the hand-back ceiling (always, but for the
     /// tests that show what it prevents).
     hand_back: bool,
+    /// The node of a store that has one; `None` in a cluster.
+    one_node: Option<Arc<str>>,
 }
 
 impl<S> Failover<S> {
     /// Wraps `inner`, with the breaker and the local share `settings` and
     /// `local` describe.
-    pub fn new(inner: S, settings: &FailoverSettings, local: LocalShare) -> Self {
+    pub fn new(inner: S, settings: &FailoverSettings, local: LocalShare) -> Self
+    where
+        S: Store,
+    {
+        // One node (a standalone Redis): its breaker from the start. A
+        // cluster's nodes are learned from the slot map as checks go.
+        let one_node = inner.one_node();
+        let first = one_node.then(|| {
+            inner
+                .slot_owner(0)
+                .unwrap_or_else(|| Arc::from(inner.backend()))
+        });
         Self {
             inner,
-            breaker: BreakerHandle::new(settings.breaker_failures, settings.breaker_cooldown),
+            breaker: BreakerHandle::new(
+                settings.breaker_failures,
+                settings.breaker_cooldown,
+                first.clone(),
+            ),
             local,
             hand_back: true,
+            one_node: first,
+        }
+    }
+
+    /// The node `check`'s bucket lives on: the one node, or its slot's
+    /// master in a cluster.
+    fn node(&self, check: &Check) -> Arc<str>
+    where
+        S: Store,
+    {
+        match &self.one_node {
+            Some(node) => Arc::clone(node),
+            None => self
+                .inner
+                .slot_owner(check.key.slot())
+                .unwrap_or_else(|| Arc::from(self.inner.backend())),
         }
     }
 
@@ -240,13 +394,13 @@ impl<S> Failover<S> {
         }
     }
 
-    /// A handle on the breaker (its state, for `/readyz`).
+    /// A handle on the breakers (their states, for `/readyz`).
     pub fn breaker(&self) -> BreakerHandle {
         self.breaker.clone()
     }
 
     /// Decides `check` by its failure mode, without the shared store.
-    fn fall_back(&self, check: &Check) -> Result<Checked, StoreError> {
+    fn fall_back(&self, check: &Check, node: &Arc<str>) -> Result<Checked, StoreError> {
         match check.on_failure {
             FailureMode::Open => Ok(Checked {
                 decision: None,
@@ -256,7 +410,7 @@ impl<S> Failover<S> {
                 shard: None,
             }),
             FailureMode::Closed => Err(StoreError::Unavailable {
-                retry_after: self.breaker.wait().max(Duration::from_secs(1)),
+                retry_after: self.breaker.wait(node).max(Duration::from_secs(1)),
             }),
             FailureMode::Local => self.local.decide(check),
         }
@@ -272,7 +426,8 @@ impl<S: Store> Layer for Failover<S> {
 
     fn check_through(&self, check: Check) -> CheckFuture<'_> {
         CheckFuture::waiting(async move {
-            let (permit, began) = self.breaker.permit();
+            let node = self.node(&check);
+            let (permit, began) = self.breaker.permit(&node);
             if permit != Permit::Skip {
                 let ceiling = match (
                     check.ceiling,
@@ -283,7 +438,7 @@ impl<S: Store> Layer for Failover<S> {
                 };
                 match self.inner.check(check.with_ceiling(ceiling)).await {
                     Ok(checked) => {
-                        self.breaker.success(permit);
+                        self.breaker.success(&node, permit);
                         self.breaker.decided(began, false);
                         if let Some(decision) = &checked.decision {
                             self.local.mirror(&check, decision);
@@ -296,7 +451,7 @@ impl<S: Store> Layer for Failover<S> {
                     // The request itself is at fault, not the store (which
                     // answered, so a probe has its answer).
                     Err(e) if e.is_request_error() => {
-                        self.breaker.success(permit);
+                        self.breaker.success(&node, permit);
                         return Err(e);
                     }
                     // Too late for this request, but perhaps not for
@@ -305,8 +460,9 @@ impl<S: Store> Layer for Failover<S> {
                     // call that fails or outlasts its allowance counts
                     // against it.
                     Err(StoreError::Deadline(late)) if late.is_pending() => {
-                        tracing::debug!(?permit, "redis check missed the deadline");
+                        tracing::debug!(?permit, %node, "redis check missed the deadline");
                         let breaker = self.breaker.clone();
+                        let node = Arc::clone(&node);
                         tokio::spawn(async move {
                             let answered = late.answered().await;
                             metrics::counter!(
@@ -315,48 +471,53 @@ impl<S: Store> Layer for Failover<S> {
                             )
                             .increment(1);
                             if answered {
-                                breaker.success(permit);
+                                breaker.success(&node, permit);
                             } else {
-                                breaker.failure(permit);
+                                breaker.failure(&node, permit);
                             }
                         });
                     }
                     Err(e) => {
-                        tracing::debug!(kind = e.kind(), ?permit, "redis check failed");
-                        self.breaker.failure(permit);
+                        tracing::debug!(kind = e.kind(), ?permit, %node, "redis check failed");
+                        self.breaker.failure(&node, permit);
                     }
                 }
             } else {
                 // On the check's span: Redis was not asked at all.
                 tracing::info!(
                     target: TARGET,
-                    breaker = self.breaker.state().as_str(),
-                    "redis skipped: the circuit breaker is open"
+                    %node,
+                    "redis skipped: the node's circuit breaker is open"
                 );
             }
             self.breaker.decided(began, true);
             self.local.fell_back();
-            self.fall_back(&check)
+            self.fall_back(&check, &node)
         })
     }
 }
 
-fn record(t: Transition) {
-    metrics::counter!(m::BREAKER_TRANSITIONS_TOTAL, "from" => t.from.as_str(), "to" => t.to.as_str())
-        .increment(1);
-    metrics::gauge!(m::BREAKER_STATE).set(t.to.gauge());
-    metrics::gauge!(m::FALLBACK_ACTIVE).set(if t.to == BreakerState::Closed {
-        0.0
-    } else {
-        1.0
-    });
+/// `node`'s breaker went from one state to another: its metrics and a log
+/// line (`nodes` held, so the gauges agree with the states).
+fn record(nodes: &mut Nodes, node: &Arc<str>, t: Transition) {
+    metrics::counter!(
+        m::BREAKER_TRANSITIONS_TOTAL,
+        "node" => node.to_string(),
+        "from" => t.from.as_str(),
+        "to" => t.to.as_str(),
+    )
+    .increment(1);
+    gauge_state(node, t.to);
+    nodes.gauge_active();
     match t.to {
         BreakerState::Open if t.from == BreakerState::Closed => {
-            tracing::warn!("redis circuit breaker open: deciding by the failure mode");
+            tracing::warn!(%node, "redis circuit breaker open: deciding the node's keys by the failure mode");
         }
-        BreakerState::Open => tracing::debug!("redis probe failed: breaker open again"),
-        BreakerState::HalfOpen => tracing::info!("redis circuit breaker half-open: probing"),
-        BreakerState::Closed => tracing::info!("redis circuit breaker closed: redis decides again"),
+        BreakerState::Open => tracing::debug!(%node, "redis probe failed: breaker open again"),
+        BreakerState::HalfOpen => tracing::info!(%node, "redis circuit breaker half-open: probing"),
+        BreakerState::Closed => {
+            tracing::info!(%node, "redis circuit breaker closed: redis decides again");
+        }
     }
 }
 

@@ -488,3 +488,118 @@ async fn the_breaker_ignores_wall_clock_steps() {
     assert_eq!(c.source, Source::Redis);
     assert_eq!(f.breaker().state(), BreakerState::Closed);
 }
+
+/// A cluster of [`Switch`]es: each half of the slots is served by one of
+/// them, as its slot map says, and the map can change (a master failing
+/// over to its replica).
+#[derive(Debug)]
+struct Cluster {
+    nodes: Vec<(Arc<str>, Arc<Switch>)>,
+    /// The node serving slots below 8192, and the one serving the rest.
+    halves: Mutex<[usize; 2]>,
+}
+
+impl Cluster {
+    fn new(names: &[&str]) -> Self {
+        Self {
+            nodes: names
+                .iter()
+                .map(|n| (Arc::from(*n), Switch::new()))
+                .collect(),
+            halves: Mutex::new([0, 1]),
+        }
+    }
+    fn serving(&self, slot: u16) -> usize {
+        self.halves.lock().unwrap()[usize::from(slot >= 8192)]
+    }
+}
+
+impl Store for Cluster {
+    fn check(&self, check: Check) -> CheckFuture<'_> {
+        self.nodes[self.serving(check.key.slot())].1.check(check)
+    }
+
+    fn backend(&self) -> &'static str {
+        "cluster"
+    }
+
+    fn slot_owner(&self, slot: u16) -> Option<Arc<str>> {
+        Some(Arc::clone(&self.nodes[self.serving(slot)].0))
+    }
+}
+
+/// A key whose slot is in the lower half (`false`) or the upper (`true`).
+fn key_in_half(upper: bool, skip: u128) -> u128 {
+    (skip..)
+        .find(|&k| (BucketKey(k).slot() >= 8192) == upper)
+        .unwrap()
+}
+
+/// One node failing sends only the keys it serves to the failure mode: its
+/// breaker opens, the other node's keys are still decided by Redis and
+/// `/readyz` names the one node. When its slots fail over to another node,
+/// that node's own breaker (closed) takes the keys back at once, and the
+/// dead node's open breaker is forgotten once no check has gone to it for
+/// a while.
+#[tokio::test(start_paused = true)]
+async fn a_failing_node_sends_only_its_own_keys_to_the_fallback() {
+    let cluster = Arc::new(Cluster::new(&["a:1", "b:1", "c:1"]));
+    let settings = settings(1);
+    let f = Failover::new(
+        Deadline::new(Arc::clone(&cluster), settings.deadline),
+        &settings,
+        LocalShare::new(1, 1000, 1),
+    );
+    let limit = Limit::per_second(1000, 1).unwrap();
+    let (on_a, on_b) = (key_in_half(false, 0), key_in_half(true, 0));
+    cluster.nodes[0].1.set(Health::Hung);
+    for i in 0..20 {
+        let a = check(&f, on_a, limit, 1, T0 + i, FailureMode::Local).await;
+        assert_eq!(a.unwrap().source, Source::Local);
+        let b = check(&f, on_b, limit, 1, T0 + i, FailureMode::Local).await;
+        assert_eq!(b.unwrap().source, Source::Redis, "b's keys stay exact");
+    }
+    assert_eq!(cluster.nodes[0].1.calls(), 3, "a's breaker opened at 3");
+    assert_eq!(f.breaker().state(), BreakerState::Open);
+    let degraded: Vec<_> = f.breaker().degraded();
+    assert_eq!(degraded, [(Arc::from("a:1"), BreakerState::Open)]);
+
+    // a's replica, c, is promoted: the slot map names c for a's slots.
+    cluster.halves.lock().unwrap()[0] = 2;
+    let a = check(&f, on_a, limit, 1, T0 + 30, FailureMode::Local).await;
+    assert_eq!(
+        a.unwrap().source,
+        Source::Redis,
+        "c decides a's keys at once"
+    );
+    assert_eq!(f.breaker().degraded().len(), 1, "a's breaker is still held");
+    // A window without a check to a: it is forgotten.
+    for step in 1..=11 {
+        tokio::time::advance(Duration::from_secs(1)).await;
+        check(&f, on_b, limit, 1, T0 + step * SEC, FailureMode::Local)
+            .await
+            .unwrap();
+    }
+    assert_eq!(f.breaker().degraded(), []);
+    assert_eq!(f.breaker().state(), BreakerState::Closed);
+}
+
+/// A standalone store has one breaker, known from the start and kept
+/// however long no check goes to it: nothing else can take its keys.
+#[tokio::test(start_paused = true)]
+async fn one_node_keeps_its_one_breaker() {
+    let store = Switch::new();
+    let f = failover(&store, 1);
+    let limit = Limit::per_second(1000, 1).unwrap();
+    store.set(Health::Refusing);
+    for _ in 0..3 {
+        check(&f, 1, limit, 1, T0, FailureMode::Local)
+            .await
+            .unwrap();
+    }
+    tokio::time::advance(Duration::from_secs(60)).await;
+    assert_eq!(
+        f.breaker().degraded(),
+        [(Arc::from("switch"), BreakerState::Open)]
+    );
+}
