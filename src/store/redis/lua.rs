@@ -16,7 +16,7 @@ use crate::key::BucketKey;
 use crate::store::{
     BoxFuture, Check, CheckFuture, CheckResult, Checked, Source, Store, StoreError,
 };
-use redis::{Cmd, ErrorKind, RedisError, RedisWrite, Script, ServerErrorKind, Value};
+use redis::{Cmd, RedisError, RedisWrite, Script, Value};
 use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
@@ -233,6 +233,11 @@ impl Command for Evalsha<'_> {
         }
     }
 
+    fn slot(&self) -> Option<u16> {
+        // The key's hash tag is the bucket's hex.
+        Some(self.key.slot())
+    }
+
     fn cmd(&self) -> Cow<'_, Cmd> {
         let mut command = Cmd::with_capacity(4 + self.numbers.len(), 160 + self.prefix.len());
         command.arg("EVALSHA").arg(self.sha).arg(1);
@@ -251,19 +256,14 @@ impl Command for Evalsha<'_> {
 }
 
 /// Sends `command` (an EVALSHA of `script`); on NOSCRIPT loads the script
-/// and sends it again, as redis-rs's `ScriptInvocation` does.
+/// on the node that said so and sends it again, as redis-rs's
+/// `ScriptInvocation` does.
 async fn evalsha(
     connection: &RedisConnection,
     command: &Evalsha<'_>,
     script: &Script,
 ) -> Result<Reply, RedisError> {
-    match connection.call(command).await {
-        Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-            script.load_async(&mut connection.clone()).await?;
-            connection.call(command).await
-        }
-        reply => reply,
-    }
+    connection.call_script(command, script).await
 }
 
 impl LuaStore {

@@ -5,7 +5,7 @@
 //! that only if the read-modify-write is atomic:
 //!
 //! - [`LuaStore`] (`--backend lua`) runs each algorithm's script with
-//!   EVALSHA (redis-rs `Script` reloads it on NOSCRIPT). Redis runs a script
+//!   EVALSHA (loaded again on NOSCRIPT, as redis-rs `Script` does). Redis runs a script
 //!   to the end before anything else, so read, refill, spend and write are
 //!   one step and no two instances can spend the same token.
 //! - [`NaiveStore`] (`--backend naive`) does GET, computes with the same pure
@@ -21,14 +21,15 @@
 //! Connections: one pipelined connection per process to a standalone server,
 //! our own ([`pipe`]: it reconnects, and does less per check than the
 //! redis crate's multiplexed connection; what a check costs this process
-//! is in docs/performance.md, "Client side of a Redis check"), or the
-//! redis crate's cluster connection; concurrent checks are pipelined on
-//! either. Timeouts and retries are set for a request path: the redis
+//! is in docs/performance.md, "Client side of a Redis check"), or one such
+//! connection per node of a cluster ([`cluster`]: a dead master fails
+//! only its own keys' checks); concurrent checks are pipelined on each. Timeouts and retries are set for a request path: the redis
 //! crate's defaults (500 ms response timeout, 6 retries) would stall every
 //! request behind a sick Redis. `rediss://` URLs connect over TLS ([`tls`]);
 //! credentials come in the URL (`rediss://user:password@host`).
 
 mod call;
+pub mod cluster;
 mod lua;
 mod naive;
 pub mod pipe;
@@ -114,8 +115,10 @@ pub struct RedisConnection {
 enum Link {
     /// One server, reconnecting on failure: our own pipelined connection.
     Standalone(Pipe),
-    /// A Redis Cluster, routed by slot, connected on first use.
-    Cluster(LazyCluster),
+    /// A Redis Cluster: our own connection per node for checks
+    /// ([`cluster`]), and the redis crate's cluster connection, made on
+    /// first use, for the rest.
+    Cluster(LazyCluster, Arc<cluster::Nodes>),
 }
 
 /// A cluster connection made on first use and kept: the service starts
@@ -168,7 +171,7 @@ impl std::fmt::Debug for RedisConnection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self.link {
             Link::Standalone(_) => "RedisConnection::Standalone",
-            Link::Cluster(_) => "RedisConnection::Cluster",
+            Link::Cluster(..) => "RedisConnection::Cluster",
         })
     }
 }
@@ -177,7 +180,7 @@ impl ConnectionLike for RedisConnection {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match &mut self.link {
             Link::Standalone(c) => c.req_packed_command(cmd),
-            Link::Cluster(c) => Box::pin(async move {
+            Link::Cluster(c, _) => Box::pin(async move {
                 let mut connection = c.get().await?;
                 connection.req_packed_command(cmd).await
             }),
@@ -192,7 +195,7 @@ impl ConnectionLike for RedisConnection {
     ) -> RedisFuture<'a, Vec<Value>> {
         match &mut self.link {
             Link::Standalone(c) => c.req_packed_commands(pipeline, offset, count),
-            Link::Cluster(c) => Box::pin(async move {
+            Link::Cluster(c, _) => Box::pin(async move {
                 let mut connection = c.get().await?;
                 connection
                     .req_packed_commands(pipeline, offset, count)
@@ -205,7 +208,7 @@ impl ConnectionLike for RedisConnection {
         match &self.link {
             Link::Standalone(c) => c.get_db(),
             // Cluster has database 0 only.
-            Link::Cluster(_) => 0,
+            Link::Cluster(..) => 0,
         }
     }
 }
@@ -248,6 +251,17 @@ pub fn check_url(url: &str) -> Result<bool, String> {
     }
 }
 
+/// Our connection's settings for the server `info` names.
+fn pipe_settings(info: redis::ConnectionInfo, settings: &RedisSettings) -> PipeSettings {
+    PipeSettings {
+        info,
+        tls: settings.tls.clone(),
+        connect_timeout: settings.connect_timeout,
+        response_timeout: settings.response_timeout,
+        retries: settings.retries,
+    }
+}
+
 impl RedisConnection {
     /// Connects as `settings` say, lazily: the first command connects (and
     /// a failed attempt is retried by a later command), so the service
@@ -266,15 +280,31 @@ impl RedisConnection {
                 builder = builder.certs(certificates);
             }
             let client = builder.build()?;
-            let link = Link::Cluster(LazyCluster {
-                shared: Arc::new((client, OnceCell::new())),
-            });
-            // The slot map is read over the same (lazy) connection.
-            let reader = Self {
-                link: link.clone(),
-                topology: Arc::new(Topology::Standalone(Arc::new(Node::unknown()))),
-            };
-            let topology = Topology::cluster(reader, settings.topology_refresh);
+            let seeds = settings
+                .urls
+                .iter()
+                .map(|url| {
+                    let info = connection_info(url)?;
+                    let label = match info.addr() {
+                        redis::ConnectionAddr::Tcp(host, port)
+                        | redis::ConnectionAddr::TcpTls { host, port, .. } => {
+                            format!("{host}:{port}")
+                        }
+                        _ => url.clone(),
+                    };
+                    Ok((Arc::from(label), pipe_settings(info, settings)))
+                })
+                .collect::<Result<Vec<_>, RedisError>>()?;
+            let nodes = Arc::new(cluster::Nodes::new(seeds).ok_or_else(|| {
+                RedisError::from((redis::ErrorKind::Client, "no cluster seed URL"))
+            })?);
+            let link = Link::Cluster(
+                LazyCluster {
+                    shared: Arc::new((client, OnceCell::new())),
+                },
+                Arc::clone(&nodes),
+            );
+            let topology = Topology::cluster(nodes, settings.topology_refresh);
             Ok(Self { link, topology })
         } else {
             let url = settings
@@ -282,13 +312,7 @@ impl RedisConnection {
                 .first()
                 .map(String::as_str)
                 .unwrap_or("redis://127.0.0.1:6379");
-            let pipe = Pipe::new(PipeSettings {
-                info: connection_info(url)?,
-                tls: settings.tls.clone(),
-                connect_timeout: settings.connect_timeout,
-                response_timeout: settings.response_timeout,
-                retries: settings.retries,
-            });
+            let pipe = Pipe::new(pipe_settings(connection_info(url)?, settings));
             Ok(Self {
                 link: Link::Standalone(pipe),
                 topology: Arc::new(Topology::standalone(url)),
@@ -334,22 +358,66 @@ impl RedisConnection {
                 }
                 Ok(Reply::Frame(frame))
             }
-            Link::Cluster(cluster) => {
-                let mut connection = cluster.get().await?;
-                let value = connection
-                    .req_packed_command(&command.cmd())
-                    .await?
-                    .extract_error()?;
-                Ok(Reply::Value(value))
-            }
+            Link::Cluster(_, nodes) => nodes
+                .call(&self.topology, command.slot(), command, None)
+                .await
+                .map(Reply::Frame),
+        }
+    }
+
+    /// [`RedisConnection::call`] of an EVALSHA of `script`: on NOSCRIPT the
+    /// script is loaded (on the node that said so, in a cluster) and the
+    /// command sent again.
+    pub async fn call_script(
+        &self,
+        command: &impl Command,
+        script: &redis::Script,
+    ) -> Result<Reply, RedisError> {
+        match &self.link {
+            Link::Standalone(_) => match self.call(command).await {
+                Err(e)
+                    if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
+                {
+                    script.load_async(&mut self.clone()).await?;
+                    self.call(command).await
+                }
+                reply => reply,
+            },
+            Link::Cluster(_, nodes) => nodes
+                .call(&self.topology, command.slot(), command, Some(script))
+                .await
+                .map(Reply::Frame),
         }
     }
 
     /// PING: can this connection answer right now?
     pub async fn ping(&self) -> Result<(), StoreError> {
-        let mut connection = self.clone();
-        let _: String = redis::cmd("PING").query_async(&mut connection).await?;
-        Ok(())
+        match &self.link {
+            Link::Standalone(_) => {
+                let mut connection = self.clone();
+                let _: String = redis::cmd("PING").query_async(&mut connection).await?;
+                Ok(())
+            }
+            // Some master answers: a dead one's keys are its breaker's
+            // business (`/readyz` names it), not a reason to call the
+            // whole instance unready.
+            Link::Cluster(_, nodes) => {
+                let mut last = None;
+                for node in self.topology.nodes_or(nodes.seeds()) {
+                    let answer = match nodes.pipe(&node) {
+                        Ok(pipe) => pipe.call(&redis::cmd("PING")).await,
+                        Err(e) => Err(e),
+                    };
+                    match answer.and_then(|frame| resp::decode(&frame)) {
+                        Ok(_) => return Ok(()),
+                        Err(e) => last = Some(e),
+                    }
+                }
+                Err(last
+                    .unwrap_or_else(|| RedisError::from((redis::ErrorKind::Client, "no node")))
+                    .into())
+            }
+        }
     }
 }
 

@@ -18,6 +18,11 @@ pub trait Command {
     fn write_resp(&self, out: &mut Vec<u8>);
     /// The same command as the redis crate's.
     fn cmd(&self) -> Cow<'_, Cmd>;
+    /// The cluster slot of its keys (`None`: it has none, any node will
+    /// do), for a command sent on our own cluster connections.
+    fn slot(&self) -> Option<u16> {
+        None
+    }
 }
 
 impl Command for Cmd {

@@ -9,7 +9,7 @@
 //! follows a slot that moves. A hot node then shows as one line apart from
 //! the others, whichever keys made it hot.
 
-use super::RedisConnection;
+use super::cluster::Nodes;
 use crate::key::BucketKey;
 use crate::metrics::Handles;
 use metrics::{Counter, Histogram};
@@ -181,15 +181,15 @@ impl Topology {
         Topology::Standalone(Arc::new(node))
     }
 
-    /// A cluster reached through `connection`; its slot map is read now and
+    /// A cluster reached through `nodes`; its slot map is read now and
     /// every `refresh` by a task that lives as long as the topology.
-    pub fn cluster(connection: RedisConnection, refresh: Duration) -> Arc<Self> {
+    pub fn cluster(nodes: Arc<Nodes>, refresh: Duration) -> Arc<Self> {
         let topology = Arc::new(Topology::Cluster(ClusterMap {
             map: RwLock::new(Arc::new(SlotMap::empty())),
             unknown: Arc::new(Node::unknown()),
             stale: Notify::new(),
         }));
-        tokio::spawn(keep_fresh(Arc::downgrade(&topology), connection, refresh));
+        tokio::spawn(keep_fresh(Arc::downgrade(&topology), nodes, refresh));
         topology
     }
 
@@ -233,6 +233,28 @@ impl Topology {
         }
     }
 
+    /// The masters of the slot map, then `seeds` (whom to ask for the map,
+    /// or whether the cluster answers at all), each once.
+    pub fn nodes_or(&self, seeds: &[Arc<str>]) -> Vec<Arc<str>> {
+        let mut nodes: Vec<Arc<str>> = match self {
+            Topology::Standalone(node) => vec![Arc::clone(&node.label)],
+            Topology::Cluster(cluster) => cluster
+                .map
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .nodes
+                .iter()
+                .map(|n| Arc::clone(&n.label))
+                .collect(),
+        };
+        for seed in seeds {
+            if !nodes.contains(seed) {
+                nodes.push(Arc::clone(seed));
+            }
+        }
+        nodes
+    }
+
     /// A call failed in a way that may mean a slot moved: re-read the map
     /// now rather than at the next refresh.
     pub fn stale(&self) {
@@ -243,8 +265,9 @@ impl Topology {
 }
 
 /// Re-reads the slot map every `refresh` (or when told it is stale) until
-/// the topology is dropped.
-async fn keep_fresh(topology: Weak<Topology>, mut connection: RedisConnection, refresh: Duration) {
+/// the topology is dropped, asking the map's masters and then the seeds in
+/// turn until one answers (a dead master costs an attempt, not the map).
+async fn keep_fresh(topology: Weak<Topology>, nodes: Arc<Nodes>, refresh: Duration) {
     loop {
         let Some(strong) = topology.upgrade() else {
             return;
@@ -252,11 +275,21 @@ async fn keep_fresh(topology: Weak<Topology>, mut connection: RedisConnection, r
         let Topology::Cluster(cluster) = &*strong else {
             return;
         };
-        let reply: Result<Value, _> = redis::cmd("CLUSTER")
-            .arg("SLOTS")
-            .query_async(&mut connection)
-            .await;
-        if let Some(fresh) = reply.ok().as_ref().and_then(SlotMap::parse) {
+        let mut fresh = None;
+        for node in strong.nodes_or(nodes.seeds()) {
+            let Ok(pipe) = nodes.pipe(&node) else {
+                continue;
+            };
+            let reply = pipe
+                .call(&redis::cmd("CLUSTER").arg("SLOTS").clone())
+                .await
+                .and_then(|frame| super::resp::decode(&frame));
+            fresh = reply.ok().as_ref().and_then(SlotMap::parse);
+            if fresh.is_some() {
+                break;
+            }
+        }
+        if let Some(fresh) = fresh {
             let mut map = cluster
                 .map
                 .write()
