@@ -29,6 +29,7 @@
 //! admits, how long requests wait and how fast Redis takes over again.
 
 mod capacity;
+mod cluster;
 mod compare;
 mod cpu;
 mod drill;
@@ -94,6 +95,10 @@ enum Command {
     LuaBench(luabench::LuaBenchArgs),
     /// Redis killed, hung, slowed, black-holed under load: each failure mode measured.
     Outage(outage::OutageArgs),
+    /// A cluster's master killed (replica promoted), slots resharded and
+    /// scripts flushed under load: what each costs the keys it touches
+    /// and the others.
+    ClusterFaults(cluster::ClusterArgs),
     /// Every algorithm on the same policy: accuracy by traffic shape, memory, cost.
     Compare(compare::CompareArgs),
     /// Throughput and latency with tracing off, at ratio 0.01 and at 1.
@@ -230,6 +235,17 @@ async fn run(command: Command) -> anyhow::Result<()> {
             anyhow::ensure!(
                 errors == 0,
                 "{errors} requests failed (transport error or unexpected 5xx)"
+            );
+        }
+        Command::ClusterFaults(args) => {
+            let results = cluster::run(args).await?;
+            let errors: usize = results
+                .iter()
+                .map(|r| r.touched.errors + r.untouched.errors)
+                .sum();
+            anyhow::ensure!(
+                errors == 0,
+                "{errors} requests failed (transport error or 5xx)"
             );
         }
         Command::Instance(cli) => {

@@ -690,3 +690,80 @@ fn http_cost_drives_with_sleeping_threads_too() {
     }
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A 3+3 cluster's own faults under load, on two instances: a SIGKILLed
+/// master (its replica promoted), a reshard of its keys' slots, and a
+/// SCRIPT FLUSH on every node.
+///
+/// What must hold whatever the timings: no 5xx and no transport error; a
+/// dead master sends only its own keys to the local share (the healthy
+/// masters' keys stay with Redis, exact), and those keys get no fresh
+/// burst from the promoted replica; a reshard's ASK and MOVED redirects
+/// and a flush's NOSCRIPTs are followed, not failed over. "Stay with
+/// Redis" allows half a percent of answers for single checks that miss
+/// the deadline on a loaded machine; one breaker for the whole cluster
+/// sent about a tenth of the healthy masters' answers to the local share.
+#[test]
+fn a_cluster_master_kill_a_reshard_and_a_flush_touch_only_their_own_keys() {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = std::env::temp_dir().join(format!("loadtest-cluster-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let csv = dir.join("cluster.csv");
+    let out = Command::new(BIN)
+        .args(["cluster-faults", "--before", "1.5", "--after", "3"])
+        // Debug builds on a shared 2-core machine: see the outage test.
+        .args(["--deadline", "50ms", "--csv"])
+        .arg(&csv)
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{table}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("{table}");
+    let rows: HashMap<String, HashMap<String, String>> = csv_rows(&csv)
+        .into_iter()
+        .map(|row| (row["fault"].clone(), row))
+        .collect();
+    std::fs::remove_dir_all(dir).unwrap();
+    let exact = |r: &HashMap<String, String>, who: &str| {
+        let (local, requests) = (
+            num(r, &format!("{who}_local")),
+            num(r, &format!("{who}_requests")),
+        );
+        assert!(requests > 0.0, "{who}: no requests in {r:?}");
+        assert!(
+            local <= 0.005 * requests,
+            "{}: {local} of {requests} {who} answers from the local share",
+            r["fault"]
+        );
+    };
+    for fault in ["kill", "reshard", "flush"] {
+        let r = &rows[fault];
+        assert_eq!(
+            num(r, "touched_errors") + num(r, "other_errors"),
+            0.0,
+            "{r:?}"
+        );
+        if fault != "flush" {
+            exact(r, "other");
+        }
+        if fault != "kill" {
+            exact(r, "touched");
+        }
+    }
+    let kill = &rows["kill"];
+    assert!(
+        num(kill, "touched_local") >= 50.0,
+        "the dead master's keys never fell back: {kill:?}"
+    );
+    // The promoted replica holds the buckets as the master left them (and
+    // the hand-back ceiling bounds what it lost): no key is admitted a
+    // local share (10) beyond one exact bucket.
+    assert!(
+        num(kill, "touched_worst_excess") < 10.0,
+        "a fresh burst on a failed-over key: {kill:?}"
+    );
+}

@@ -308,20 +308,38 @@ impl RedisCluster {
 
     /// On given ports.
     pub fn start_on(ports: [u16; 3]) -> anyhow::Result<Self> {
-        Self::launch(ports, None)
+        Self::launch(&ports, 0, None, &[])
+    }
+
+    /// Three masters with a replica each, as people run a cluster, on free
+    /// ports: `nodes[0..3]` are the masters, `nodes[3..6]` the replicas,
+    /// each in sync with its master when returned. `extra` goes to every
+    /// node (a shorter `--cluster-node-timeout` makes a failover quicker).
+    pub fn start_replicated(extra: &[&str]) -> anyhow::Result<Self> {
+        let base = crate::process::free_port_block(6, true)?;
+        let ports: Vec<u16> = (0..6).map(|i| base + i).collect();
+        Self::launch(&ports, 1, None, extra)
     }
 
     /// On free ports, speaking TLS only: to clients, and between nodes.
     pub fn start_tls(certs: &TestCerts) -> anyhow::Result<Self> {
         let base = crate::process::free_port_block(3, true)?;
         Self::launch(
-            [base, base + 1, base + 2],
+            &[base, base + 1, base + 2],
+            0,
             Some(ServerTls::new(certs, false)),
+            &[],
         )
     }
 
-    fn launch(ports: [u16; 3], tls: Option<ServerTls>) -> anyhow::Result<Self> {
-        let args = ["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"];
+    fn launch(
+        ports: &[u16],
+        replicas: usize,
+        tls: Option<ServerTls>,
+        extra: &[&str],
+    ) -> anyhow::Result<Self> {
+        let mut args = vec!["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"];
+        args.extend(extra);
         let nodes = ports
             .iter()
             .map(|&port| RedisServer::launch_tls(port, &args, tls.clone()))
@@ -332,7 +350,8 @@ impl RedisCluster {
             .collect();
         let mut args = vec!["--cluster", "create"];
         args.extend(addresses.iter().map(String::as_str));
-        args.extend(["--cluster-replicas", "0", "--cluster-yes"]);
+        let replicas_arg = replicas.to_string();
+        args.extend(["--cluster-replicas", &replicas_arg, "--cluster-yes"]);
         nodes[0].cli(&args)?;
         // Wait until every node agrees the cluster is up.
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -345,7 +364,60 @@ impl RedisCluster {
                 std::thread::sleep(Duration::from_millis(50));
             }
         }
-        Ok(Self { nodes })
+        let cluster = Self { nodes };
+        // redis-cli makes the first `ports.len() / (replicas + 1)` nodes
+        // the masters; each replica has its copy before a test kills one.
+        let masters = ports.len() / (replicas + 1);
+        for replica in &cluster.nodes[masters..] {
+            while !replica
+                .cli(&["info", "replication"])?
+                .contains("master_link_status:up")
+            {
+                ensure!(
+                    Instant::now() < deadline,
+                    "replica {} did not sync in 20 s",
+                    replica.port
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        Ok(cluster)
+    }
+
+    /// Kills master `i` (SIGKILL) and returns when other nodes serve the
+    /// slots it served (one in 512 looked at) and the survivors agree the
+    /// cluster is ok: its replica was promoted. Returns how long that took.
+    pub fn kill_master(&mut self, i: usize) -> anyhow::Result<Duration> {
+        let slots: Vec<u16> = (0..16384u16)
+            .step_by(512)
+            .filter(|&s| self.owner(s).ok() == Some(i))
+            .collect();
+        ensure!(!slots.is_empty(), "node {i} serves no slot");
+        self.nodes[i].kill()?;
+        let killed = Instant::now();
+        let deadline = killed + Duration::from_secs(30);
+        loop {
+            let moved = slots
+                .iter()
+                .all(|&s| matches!(self.owner(s), Ok(owner) if owner != i));
+            let ok = self
+                .nodes
+                .iter()
+                .enumerate()
+                .filter(|(j, _)| *j != i)
+                .all(|(_, n)| {
+                    n.cli(&["cluster", "info"])
+                        .is_ok_and(|info| info.contains("cluster_state:ok"))
+                });
+            if moved && ok {
+                return Ok(killed.elapsed());
+            }
+            ensure!(
+                Instant::now() < deadline,
+                "node {i}'s slots were not failed over in 30 s"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// The nodes' `redis://` URLs (seeds for a cluster client).
@@ -369,6 +441,9 @@ impl RedisCluster {
     /// The index of the node that serves `slot`.
     pub fn owner(&self, slot: u16) -> anyhow::Result<usize> {
         for (i, node) in self.nodes.iter().enumerate() {
+            if node.pid().is_none() {
+                continue; // killed
+            }
             // Each node's own view of what it serves.
             let nodes = node.cli(&["cluster", "nodes"])?;
             let me = nodes
