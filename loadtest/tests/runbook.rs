@@ -164,7 +164,7 @@ impl Operator<'_> {
                 &format!("{BIN} panels --prometheus http://{prometheus}"),
             );
         let script = format!(
-            "set -eo pipefail\n[ -f {vars} ] && source {vars}\n{block}\ndeclare -p hot KEY NODE SLOT HOST PORT key 2>/dev/null >{vars} || true\n",
+            "set -eo pipefail\n[ -f {vars} ] && source {vars}\n{block}\ndeclare -p hot KEY NODE SLOT HOST PORT key REDISCLI_AUTH 2>/dev/null >{vars} || true\n",
             vars = self.vars.display()
         );
         let out = Command::new("bash")

@@ -7,8 +7,9 @@ use anyhow::{Context, ensure};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// A native stack: nginx, three instances, a 3-node Redis Cluster, an
-/// exporter per node, the nodes' cgroup counters, Prometheus.
+/// A native stack: nginx, three instances, a Redis Cluster of 3 masters
+/// and 3 replicas, an exporter per node, the nodes' cgroup counters,
+/// Prometheus.
 #[derive(Debug)]
 pub struct NativeStack {
     dir: TempDir,
@@ -18,7 +19,7 @@ pub struct NativeStack {
     pub prometheus: u16,
     /// The first instance; the others follow.
     pub api: u16,
-    /// The first Redis node; the others follow.
+    /// The first Redis node; the others follow (the masters first).
     pub redis: u16,
 }
 
@@ -35,9 +36,10 @@ impl NativeStack {
         let dir = TempDir::new("stack")?;
         // One block, so no two components are handed the same port, and
         // the Redis nodes' cluster bus ports (+10000) free and in range.
-        let base = free_port_block(12, true)?;
+        let base = free_port_block(18, true)?;
         let (nginx, prometheus) = (base, base + 1);
-        let (api, redis, exporters) = (base + 2, base + 5, base + 8);
+        // Three instances, six Redis nodes and their six exporters.
+        let (api, redis, exporters) = (base + 2, base + 5, base + 11);
         let mut all = vec![
             ("STACK_DIR".to_owned(), dir.0.display().to_string()),
             ("STACK_NGINX_PORT".to_owned(), nginx.to_string()),
@@ -47,7 +49,7 @@ impl NativeStack {
             ("STACK_EXPORTER_PORT_BASE".to_owned(), exporters.to_string()),
             (
                 "STACK_CGROUP_EXPORTER_PORT".to_owned(),
-                (base + 11).to_string(),
+                (base + 17).to_string(),
             ),
             ("RATELIMITER_BIN".to_owned(), bin.display().to_string()),
         ];

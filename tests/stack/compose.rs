@@ -162,10 +162,15 @@ fn compose_nginx_prometheus_and_grafana_agree() {
             format!("api-{i}"),
             api["RL_LISTEN"].rsplit(':').next().unwrap().into(),
         );
+    }
+    // Six Redis nodes (three masters, three replicas), an exporter each,
+    // signed in as its own user.
+    for i in 1..=6 {
         listens.insert(format!("redis-exporter-{i}"), "9121".into());
         assert!(services.contains(&format!("redis-{i}")));
         let exporter = environment(service(&compose, &format!("redis-exporter-{i}")));
         assert_eq!(exporter["REDIS_ADDR"], format!("redis://redis-{i}:6379"));
+        assert_eq!(exporter["REDIS_USER"], "exporter");
     }
     listens.insert("localhost".into(), "9090".into());
     listens.insert("cadvisor".into(), "8080".into());
@@ -179,7 +184,7 @@ fn compose_nginx_prometheus_and_grafana_agree() {
         default("STACK_REDIS_CPUS"),
         default("STACK_REDIS_CPU_PERIOD_US"),
     );
-    for i in 1..=3 {
+    for i in 1..=6 {
         let redis = service(&compose, &format!("redis-{i}"));
         let quota = merged(redis, "cpu_quota").and_then(Value::as_f64).unwrap();
         assert_eq!(
@@ -188,14 +193,21 @@ fn compose_nginx_prometheus_and_grafana_agree() {
         );
         assert!((quota - cores * period).abs() < 1.0, "redis-{i}: {quota}");
     }
-    // The instances: the cluster's nodes, nginx alone trusted, Jaeger.
+    // The instances: the cluster's nodes as the `ratelimiter` user, nginx
+    // alone trusted, Jaeger.
     let api = environment(service(&compose, "api-1"));
-    for seed in api["RL_REDIS_CLUSTER"].split(',') {
-        let host = seed
+    let seeds: Vec<&str> = api["RL_REDIS_CLUSTER"].split(',').collect();
+    assert_eq!(seeds.len(), 6, "every node a seed");
+    for seed in seeds {
+        let (user, address) = seed
             .trim_start_matches("redis://")
-            .split(':')
-            .next()
-            .unwrap();
+            .split_once('@')
+            .unwrap_or_else(|| panic!("seed {seed} without a user"));
+        assert_eq!(
+            user, "ratelimiter:${REDIS_RATELIMITER_PASSWORD}",
+            "seed {seed}"
+        );
+        let host = address.split(':').next().unwrap();
         assert!(services.contains(host), "seed {seed}");
     }
     let nginx = service(&compose, "nginx");
@@ -215,7 +227,7 @@ fn compose_nginx_prometheus_and_grafana_agree() {
     // Fixed addresses are in the subnet but outside the pool Docker hands
     // the other containers from, so none of them can take one first.
     let mut fixed = vec![nginx_ip.clone()];
-    for i in 1..=3 {
+    for i in 1..=6 {
         fixed.push(text(
             &service(&compose, &format!("redis-{i}"))["networks"]["stack"]["ipv4_address"],
         ));
@@ -300,7 +312,7 @@ fn compose_nginx_prometheus_and_grafana_agree() {
         }
         // The cgroup counters carry the same `node`, from their service.
         if text(&job["job_name"]) == "cgroups" {
-            for i in 1..=3 {
+            for i in 1..=6 {
                 let redis = service(&compose, &format!("redis-{i}"));
                 let ip = text(&redis["networks"]["stack"]["ipv4_address"]);
                 assert!(
@@ -316,8 +328,8 @@ fn compose_nginx_prometheus_and_grafana_agree() {
         }
     }
     assert_eq!(
-        targets, 8,
-        "3 instances, 3 exporters, the cgroup counters, Prometheus itself"
+        targets, 11,
+        "3 instances, 6 exporters, the cgroup counters, Prometheus itself"
     );
     // Mounted files exist; Grafana's mounts are where its provisioning looks.
     let mut mounts = BTreeMap::new();

@@ -8,6 +8,19 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 use testkit::{NativeStack, OtlpReceiver, TempDir, hammer};
 
+/// redis-cli on the stack's node at `port`, as the operators' `default`
+/// user (its password from `.env`, as `scripts/stack` reads it).
+fn admin_cli(port: u16, args: &[&str]) -> String {
+    let env = std::fs::read_to_string(repo(".env")).unwrap();
+    let password = env
+        .lines()
+        .find_map(|l| l.strip_prefix("REDIS_ADMIN_PASSWORD="))
+        .expect("REDIS_ADMIN_PASSWORD in .env");
+    let mut all = vec!["--no-auth-warning", "-a", password];
+    all.extend(args);
+    testkit::redis_cli(port, &all).unwrap()
+}
+
 fn running(pid: i32) -> bool {
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok()
 }
@@ -132,11 +145,29 @@ async fn the_native_stack_runs_the_compose_topology_end_to_end() {
         assert_eq!(status, 200, "tenant {tenant}: {}", r.text().await.unwrap());
     }
     for node in 0..3 {
-        let keys = testkit::redis_cli(stack.redis + node, &["dbsize"]).unwrap();
+        let keys = admin_cli(stack.redis + node, &["dbsize"]);
         assert!(
             keys.trim().parse::<u64>().unwrap() > 0,
             "node {node} holds no key"
         );
+    }
+    // Three masters, each with a replica in sync; nobody signed in without
+    // a password, and no user was refused a command: the instances and
+    // the exporters have what they use.
+    for node in 0..6 {
+        let replication = admin_cli(stack.redis + node, &["info", "replication"]);
+        if node < 3 {
+            assert!(replication.contains("connected_slaves:1"), "{replication}");
+        } else {
+            assert!(
+                replication.contains("master_link_status:up"),
+                "{replication}"
+            );
+        }
+        let refused = admin_cli(stack.redis + node, &["acl", "log"]);
+        assert!(refused.trim().is_empty(), "node {node} refused:\n{refused}");
+        let anonymous = testkit::redis_cli(stack.redis + node, &["ping"]).unwrap();
+        assert!(anonymous.contains("NOAUTH"), "{anonymous}");
     }
 
     // A traceparent the client sends comes out in the service's spans.
@@ -207,7 +238,8 @@ async fn the_native_stack_runs_the_compose_topology_end_to_end() {
             .cloned()
             .unwrap_or_default();
         let up = results.iter().filter(|r| r["value"][1] == "1").count();
-        if results.len() == 8 && up == 8 {
+        // 3 instances, 6 exporters, the cgroup counters, Prometheus.
+        if results.len() == 11 && up == 11 {
             break;
         }
         assert!(Instant::now() < deadline, "targets not all up: {results:?}");
@@ -218,8 +250,8 @@ async fn the_native_stack_runs_the_compose_topology_end_to_end() {
     let pids = stack.pids().unwrap();
     assert_eq!(
         pids.len(),
-        12,
-        "3 nodes, 3 exporters, the cgroup exporter, 3 instances, nginx, Prometheus"
+        18,
+        "6 nodes, 6 exporters, the cgroup exporter, 3 instances, nginx, Prometheus"
     );
     stack.down().unwrap();
     std::thread::sleep(Duration::from_millis(200));
