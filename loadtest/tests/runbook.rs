@@ -210,6 +210,15 @@ fn first_value(answer: &str) -> Option<f64> {
         .ok()
 }
 
+/// Every sample's value in a Prometheus query answer.
+fn sample_values(answer: &str) -> Vec<f64> {
+    answer
+        .split("\"value\":[")
+        .skip(1)
+        .filter_map(|rest| rest.split('"').nth(1)?.parse().ok())
+        .collect()
+}
+
 fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
     let deadline = Instant::now() + limit;
     while !done() {
@@ -438,11 +447,13 @@ fn the_hot_key_runbook_works_as_written_on_the_native_stack() {
                 .contains("RateLimitForwardedUntrusted")
         },
     );
-    // 1. the share, 2. the trust, 3. the fix.
+    // 1. the share, 2. the trust, 3. the fix. The alert names the
+    // instances over half; the others may still be under it, their last
+    // minute holding the surge's traffic.
     let share = operator.run(&blocks[12]);
     assert!(
-        share.contains("\"value\":[") && first_value(&share).is_some_and(|v| v > 0.5),
-        "{share}"
+        sample_values(&share).into_iter().any(|v| v > 0.5),
+        "no instance over half: {share}"
     );
     // Users are refused together meanwhile.
     let (_, before) = traffic.counts();
