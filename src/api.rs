@@ -7,6 +7,7 @@
 //! | `GET /api/items/{id}` | one item, or 404 | policy matching `/api/items/{id}` |
 //! | `POST /api/orders` | places an order (JSON `{"item_id": 1, "quantity": 2}`) | policy matching `/api/orders` |
 //! | `GET /api/status` | instance id, backend, config generation, trusted proxies, policies | policy matching `/api/status` |
+//! | `/decide` (any method) | a gateway's question for another service's request (nginx `auth_request`): 204 with the RateLimit fields, or the answer the API would give (429 with `Retry-After`, 401, 503, 400) | the policy matching the path in `X-Original-URI` |
 //! | `GET /healthz` | liveness: the process answers | never |
 //! | `GET /readyz` | readiness: `ready`, or `degraded` while Redis is away or the failure mode decided 5 % or more of the last 10 s of checks, with that share (503 only if the failure mode is `closed`: otherwise the instance still serves, by its local share or open, and pulling every instance out of the balancer would turn a Redis blip into an outage) | never |
 //! | `GET /metrics` | Prometheus text | never |
@@ -21,14 +22,14 @@ use crate::failover::{BreakerHandle, BreakerState, DEGRADED_SHARE, RecentShare};
 use crate::headers::Problem;
 use crate::limiter::CurrentLimiter;
 use crate::metrics as m;
-use crate::middleware::{Front, RouteTable};
+use crate::middleware::{Front, Peer, RouteTable, Verdict};
 use crate::store::{FailureMode, Store};
 use axum::Json;
 use axum::extract::rejection::{JsonRejection, PathRejection};
-use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::extract::{DefaultBodyLimit, Extension, Path, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{any, get, post};
 use http::Method;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
@@ -240,6 +241,73 @@ async fn no_route(uri: axum::http::Uri) -> Response {
     )
 }
 
+/// Where a gateway says which request it asks about: nginx's convention
+/// (`X-Original-URI`, `X-Original-Method`), then Traefik's forwardAuth
+/// (`X-Forwarded-Uri`, `X-Forwarded-Method`).
+const ORIGINAL_URI: [&str; 2] = ["x-original-uri", "x-forwarded-uri"];
+const ORIGINAL_METHOD: [&str; 2] = ["x-original-method", "x-forwarded-method"];
+
+/// The first of `names` the request carries, as text (`Err`: not text).
+fn first_header<'a>(headers: &'a http::HeaderMap, names: &[&str]) -> Result<Option<&'a str>, ()> {
+    match names.iter().find_map(|name| headers.get(*name)) {
+        None => Ok(None),
+        Some(value) => value.to_str().map(Some).map_err(|_| ()),
+    }
+}
+
+/// The decision for another service's request, asked by a gateway in
+/// front of it (nginx `auth_request`): the policy is the one whose route
+/// prefixes the original path, the client is identified from this
+/// request's headers and peer exactly as for the API (an API key, or the
+/// address a trusted proxy forwards), and one token is spent as for the
+/// API. Admitted: 204 with the RateLimit fields, for the gateway to copy
+/// onto its answer. Otherwise the answer the API would give (429 with
+/// `Retry-After`, 401 for an unknown key, 503 failing closed, 400 for a
+/// malformed identity), as problem+json. No policy for the path: 204
+/// without fields, as Envoy's rate limit service answers OK for no match.
+async fn decide(
+    State(state): State<AppState>,
+    Extension(Peer(peer)): Extension<Peer>,
+    headers: http::HeaderMap,
+) -> Response {
+    let bad = |detail: &str| {
+        problem(
+            StatusCode::BAD_REQUEST,
+            "bad-request",
+            "Bad Request",
+            detail.to_owned(),
+        )
+    };
+    let uri = match first_header(&headers, &ORIGINAL_URI) {
+        Ok(Some(uri)) => uri,
+        Ok(None) => return bad("no X-Original-URI: which request is this decision for?"),
+        Err(()) => return bad("X-Original-URI is not text"),
+    };
+    let path = uri.split(['?', '#']).next().unwrap_or_default();
+    if !path.starts_with('/') {
+        return bad("X-Original-URI is not a path (it starts with /)");
+    }
+    let method = match first_header(&headers, &ORIGINAL_METHOD) {
+        Ok(None) => Method::GET,
+        Ok(Some(name)) => match Method::from_bytes(name.as_bytes()) {
+            Ok(method) => method,
+            Err(_) => return bad("X-Original-Method is not an HTTP method"),
+        },
+        Err(()) => return bad("X-Original-Method is not text"),
+    };
+    let Some(limiting) = state.limiter.get().limiting(path, &method) else {
+        return StatusCode::NO_CONTENT.into_response();
+    };
+    match Verdict::from(limiting.check(&headers, peer).await) {
+        Verdict::Pass(fields) => {
+            let mut answer = StatusCode::NO_CONTENT.into_response();
+            fields.write_to(answer.headers_mut());
+            answer
+        }
+        Verdict::Answer(answer) => answer,
+    }
+}
+
 async fn healthz() -> &'static str {
     "ok\n"
 }
@@ -369,6 +437,7 @@ pub fn app(state: AppState) -> Front {
             post(create_order).layer(DefaultBodyLimit::max(state.http.body_limit)),
         )
         .limited("/api/status", &[Method::GET], get(status))
+        .deciding("/decide", &[Method::GET], any(decide))
         .unlimited("/healthz", get(healthz))
         .unlimited("/readyz", get(readyz))
         .unlimited("/metrics", get(metrics));

@@ -693,3 +693,75 @@ async fn a_bounded_check_leaves_the_handler_the_rest_of_the_request_timeout() {
     assert_eq!(status, StatusCode::REQUEST_TIMEOUT);
     assert_took(took, Duration::from_secs(1));
 }
+
+/// A gateway's decision endpoint: the policy of the path in
+/// `X-Original-URI`, the client identified as for the API (an API key, or
+/// the address a trusted proxy forwards), 204 with the RateLimit fields
+/// while admitted, then the API's own 429 with `Retry-After`; a path no
+/// policy names is 204 without fields; a question without a path, 400.
+#[tokio::test]
+async fn the_decision_endpoint_answers_for_another_services_request() {
+    let app = app_on(
+        "trusted_proxies = [\"192.0.2.10\"]\n\
+         [[policies]]\nname = \"reports\"\nroute = \"/reports/\"\nburst = 3\nrate = 1\n",
+        in_memory,
+    );
+    let ask = |path: &str, client: &str| {
+        request(
+            "GET",
+            "/decide",
+            &[("x-original-uri", path), ("x-forwarded-for", client)],
+            None,
+        )
+    };
+    for remaining in ["2", "1", "0"] {
+        let (status, h, body) = send(&app, ask("/reports/daily?day=1", "203.0.113.7")).await;
+        assert_eq!(status, StatusCode::NO_CONTENT, "{body}");
+        assert_eq!(h["ratelimit-limit"], "3");
+        assert_eq!(h["ratelimit-remaining"], remaining);
+        assert_eq!(h["ratelimit-policy"], "\"reports\";q=3;w=3");
+    }
+    let (status, h, body) = send(&app, ask("/reports/weekly", "203.0.113.7")).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(h["retry-after"], "1");
+    assert_eq!(h["content-type"], "application/problem+json");
+    assert!(body.contains("\"status\":429"), "{body}");
+    // Another client (the forwarded address) has its own bucket.
+    let (status, _, _) = send(&app, ask("/reports/daily", "203.0.113.8")).await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    // No policy for the path: admitted, nothing counted.
+    let (status, h, _) = send(&app, ask("/elsewhere", "203.0.113.7")).await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    assert!(h.get("ratelimit-limit").is_none());
+    // Traefik's names for the same question.
+    let (status, _, _) = send(
+        &app,
+        request(
+            "GET",
+            "/decide",
+            &[
+                ("x-forwarded-uri", "/reports/x"),
+                ("x-forwarded-method", "GET"),
+            ],
+            None,
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    for (headers, why) in [
+        (vec![], "no X-Original-URI"),
+        (vec![("x-original-uri", "reports")], "not a path"),
+        (
+            vec![
+                ("x-original-uri", "/reports/"),
+                ("x-original-method", "GE T"),
+            ],
+            "not an HTTP method",
+        ),
+    ] {
+        let (status, h, body) = send(&app, request("GET", "/decide", &headers, None)).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{why}: {body}");
+        assert_eq!(h["content-type"], "application/problem+json");
+        assert!(body.contains(why), "{body}");
+    }
+}

@@ -51,7 +51,7 @@
 //! request's extensions stay empty.
 
 use super::Verdict;
-use super::routes::{Route, Routes};
+use super::routes::{Peer, Route, Routes};
 use crate::config::HttpConfig;
 use crate::headers::Problem;
 use crate::limiter::{CurrentLimiter, Limiting};
@@ -218,6 +218,9 @@ impl Front {
                 Self::limit_then_call(router, route, limiting, request, peer, deadline, bounded)
                     .await
             } else {
+                if route.peer {
+                    request.extensions_mut().insert(Peer(peer));
+                }
                 let work = std::pin::pin!(route.dispatch(router, std::mem::take(request)));
                 within(deadline, work).await.map(|Ok(response)| response)
             };

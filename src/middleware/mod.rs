@@ -21,4 +21,4 @@ mod routes;
 
 pub use front::{Front, INSTANCE_ID_HEADER};
 pub use response::Verdict;
-pub use routes::{Route, RouteTable, Routes};
+pub use routes::{Peer, Route, RouteTable, Routes};

@@ -31,6 +31,11 @@ use tower::Service as _;
 /// The limiter's own refusals: throttled, and unavailable (fail-closed).
 const REFUSALS: [u16; 2] = [429, 503];
 
+/// The address of the client a request came from (the connection's peer),
+/// given to a [`RouteTable::deciding`] route's handler as an extension.
+#[derive(Debug, Clone, Copy)]
+pub struct Peer(pub Option<std::net::IpAddr>);
+
 /// One route: its template, and whether the limiter decides its requests.
 #[derive(Debug)]
 pub struct Route {
@@ -41,6 +46,11 @@ pub struct Route {
     /// (health, readiness, metrics: a throttled probe would take a healthy
     /// instance out of its balancer).
     pub limited: bool,
+    /// Whether its handler is told the client's address (a [`Peer`]
+    /// extension): the decision endpoint, which identifies clients as the
+    /// limiter does. Other handlers are not, so their requests keep no
+    /// extension (the first one allocates).
+    pub peer: bool,
     /// Its request durations, by method and status.
     pub durations: Durations,
     /// Its handlers, for a template without parameters (see the module
@@ -138,6 +148,28 @@ where
         self.add(template, handler, false)
     }
 
+    /// A route the limiter does not decide itself, whose handler decides
+    /// for another service's request with the limiter (so is told the
+    /// client's address, a [`Peer`]); its refusals counted from zero, as a
+    /// limited route's.
+    pub fn deciding(
+        self,
+        template: &'static str,
+        methods: &[Method],
+        handler: MethodRouter<S>,
+    ) -> Self {
+        let mut table = self.add(template, handler, false);
+        if let Some(route) = table.routes.routes.last_mut() {
+            route.peer = true;
+            for method in methods {
+                route
+                    .durations
+                    .count_from_zero(MethodLabel::of(method), &REFUSALS);
+            }
+        }
+        table
+    }
+
     fn add(mut self, template: &'static str, handler: MethodRouter<S>, limited: bool) -> Self {
         // `{name}` or `{*rest}`; `{{` and `}}` are literal braces, which
         // leave no parameter (counted as one: the router then serves it).
@@ -152,6 +184,7 @@ where
         self.routes.routes.push(Route {
             template,
             limited,
+            peer: false,
             durations: Durations::new(template),
             direct: None,
         });
