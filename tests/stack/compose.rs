@@ -48,6 +48,10 @@ fn nginx_accepts_the_rendered_template() {
         .replace(
             "${ACCESS_LOG}",
             &dir.join("access.log").display().to_string(),
+        )
+        .replace(
+            "${REPORTS_SOCKET}",
+            &dir.join("reports.sock").display().to_string(),
         );
     assert!(!conf.contains("${"), "a template name left: {conf}");
     std::fs::write(dir.join("ratelimiter.conf"), &conf).unwrap();

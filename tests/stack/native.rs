@@ -170,6 +170,41 @@ async fn the_native_stack_runs_the_compose_topology_end_to_end() {
         assert!(anonymous.contains("NOAUTH"), "{anonymous}");
     }
 
+    // The reports service, a second upstream nginx protects with
+    // auth_request: its answers carry the limiter's fields, and the sixth
+    // request of a burst of five is refused by nginx with the limiter's
+    // Retry-After, the backend never asked.
+    for n in 1..=6 {
+        let r = http
+            .get(stack.url("/reports/daily"))
+            .header("x-api-key", "demo-key-06")
+            .send()
+            .await
+            .unwrap();
+        let (status, headers) = (r.status(), r.headers().clone());
+        let body = r.text().await.unwrap();
+        if n <= 5 {
+            assert_eq!(status, 200, "request {n}: {body}");
+            assert!(body.contains("\"report\":\"/reports/daily\""), "{body}");
+            assert_eq!(headers["ratelimit-limit"], "5");
+            assert_eq!(headers["ratelimit-remaining"], (5 - n).to_string());
+        } else {
+            assert_eq!(status, 429, "{body}");
+            assert_eq!(headers["retry-after"], "1");
+            assert_eq!(headers["ratelimit-remaining"], "0");
+            assert_eq!(headers["content-type"], "application/problem+json");
+        }
+    }
+    let unknown = http
+        .get(stack.url("/reports/daily"))
+        .header("x-api-key", "no-such-key")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(unknown.status(), 401, "an unknown key, refused by nginx");
+    let outside = reqwest::get(stack.url("/decide")).await.unwrap();
+    assert_eq!(outside.status(), 404, "/decide answers nginx only");
+
     // A traceparent the client sends comes out in the service's spans.
     let trace = "5cf92f3577b34da6a3ce929d0e0e4736";
     let r = http
