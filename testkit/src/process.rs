@@ -46,15 +46,46 @@ pub fn free_port() -> anyhow::Result<u16> {
 /// The cluster bus of a Redis Cluster node listens this far above its port.
 pub const CLUSTER_BUS_OFFSET: u16 = 10_000;
 
+/// The lowest port of the kernel's ephemeral range
+/// (`net.ipv4.ip_local_port_range`), from which it picks the local port of
+/// every outgoing connection.
+fn ephemeral_low() -> u16 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768)
+}
+
 /// `n` consecutive free ports; with `cluster_bus`, their bus ports
 /// (`CLUSTER_BUS_OFFSET` above) are free and in range too, as a Redis
-/// Cluster node needs: an ephemeral port above 55535 has no bus port, and
-/// the node refuses to start on it. None of them is handed out twice.
+/// Cluster node needs. None of them is handed out twice.
+///
+/// The block is below the kernel's ephemeral range where there is room:
+/// a whole stack binds its block one server after another, while the
+/// servers already up connect to each other, and an outgoing connection
+/// takes its local port from the ephemeral range: it could take a port of
+/// the block before its server binds it (a stack's nginx, started last,
+/// failing to listen).
 pub fn free_port_block(n: u16, cluster_bus: bool) -> anyhow::Result<u16> {
+    use std::hash::{BuildHasher, Hasher};
     let bus = if cluster_bus { CLUSTER_BUS_OFFSET } else { 0 };
     let free = |port: u16| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok();
-    for _ in 0..1000 {
-        let base = kernel_port()?;
+    // Bases from 10000 such that the block and its bus ports end below
+    // the ephemeral range.
+    let room = ephemeral_low()
+        .checked_sub(10_000 + n + bus)
+        .filter(|&room| room > 0);
+    for attempt in 0..1000 {
+        let base = match room {
+            // A random base: another process's tests pick theirs too.
+            Some(room) if attempt < 500 => {
+                let random = std::collections::hash_map::RandomState::new()
+                    .build_hasher()
+                    .finish();
+                10_000 + u16::try_from(random % u64::from(room)).unwrap_or(0)
+            }
+            _ => kernel_port()?,
+        };
         let in_range = base.checked_add(n - 1).and_then(|top| top.checked_add(bus));
         if in_range.is_none() {
             continue;
@@ -180,5 +211,27 @@ impl TempDir {
 impl Drop for TempDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A block and its bus ports end below the ephemeral range (where an
+    /// outgoing connection could take one), each port free when handed
+    /// out, and never handed out twice.
+    #[test]
+    fn port_blocks_stay_below_the_ephemeral_range() {
+        let low = ephemeral_low();
+        let mut seen = BTreeSet::new();
+        for _ in 0..20 {
+            let base = free_port_block(18, true).unwrap();
+            assert!(base >= 10_000, "{base}");
+            assert!(base + 17 + CLUSTER_BUS_OFFSET < low, "{base} against {low}");
+            for port in base..base + 18 {
+                assert!(seen.insert(port), "{port} handed out twice");
+            }
+        }
     }
 }
