@@ -29,7 +29,7 @@ use ratelimiter::config::Config;
 use ratelimiter::identity::{Identity, KeyHasher};
 use std::fmt::Write as _;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use testkit::{RedisCluster, TempDir};
 
@@ -172,81 +172,44 @@ fn config_text(args: &ClusterArgs) -> String {
     text
 }
 
-/// Steady load over every key: `clients` tasks, each sending every
-/// `clients / qps` seconds, keys and instances taken in turn, until
-/// `stop` is set.
+/// Steady load over every key ([`crate::outage::steady`]): keys and
+/// instances taken in turn, until `stop` is set; who answered read from
+/// `RateLimit-Limit` (the burst: Redis; half of it: the local share).
 async fn drive(
     urls: Arc<Vec<String>>,
     args: &ClusterArgs,
     start: Instant,
     stop: Arc<std::sync::atomic::AtomicBool>,
 ) -> anyhow::Result<Vec<Sample>> {
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(5))
-        .pool_max_idle_per_host(args.clients)
-        .build()?;
-    let next = Arc::new(AtomicUsize::new(0));
-    let interval = Duration::from_secs_f64(args.clients as f64 / args.qps.max(1) as f64);
-    let share_burst = (args.burst / 2).max(1);
-    let mut tasks = Vec::new();
-    for c in 0..args.clients {
-        let (http, next, urls, stop) = (
-            http.clone(),
-            Arc::clone(&next),
-            Arc::clone(&urls),
-            Arc::clone(&stop),
-        );
-        let (burst, clients, keys) = (args.burst, args.clients, args.keys);
-        tasks.push(tokio::spawn(async move {
-            let mut samples = Vec::new();
-            let mut tick = tokio::time::interval_at(
-                tokio::time::Instant::from_std(start) + interval.mul_f64(c as f64 / clients as f64),
-                interval,
-            );
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            while !stop.load(Ordering::Relaxed) {
-                tick.tick().await;
-                let n = next.fetch_add(1, Ordering::Relaxed);
-                let (key, instance) = (n % keys, (n / keys) % urls.len());
-                let sent = Instant::now();
-                let response = http
-                    .get(&urls[instance])
-                    .header("x-api-key", format!("cluster-key-{key}"))
-                    .send()
-                    .await;
-                let (admitted, source) = match response {
-                    Err(_) => (false, Source::Error),
-                    Ok(r) => {
-                        let limit = r
-                            .headers()
-                            .get("ratelimit-limit")
-                            .and_then(|v| v.to_str().ok())
-                            .and_then(|v| v.parse::<u64>().ok());
-                        let status = r.status().as_u16();
-                        let source = match (status, limit) {
-                            (200 | 429, Some(l)) if l == burst => Source::Redis,
-                            (200 | 429, Some(l)) if l == share_burst => Source::Local,
-                            _ => Source::Error,
-                        };
-                        (status == 200, source)
-                    }
-                };
-                samples.push(Sample {
-                    sent: sent - start,
-                    key,
-                    admitted,
-                    source,
-                });
+    let keys = args.keys;
+    let answers = crate::outage::steady(
+        args.clients,
+        args.qps,
+        start,
+        Arc::new(move || stop.load(Ordering::Relaxed)),
+        Arc::new(move |http, n| {
+            http.get(&urls[(n / keys) % urls.len()])
+                .header("x-api-key", format!("cluster-key-{}", n % keys))
+        }),
+    )
+    .await?;
+    let (burst, share_burst) = (args.burst, (args.burst / 2).max(1));
+    Ok(answers
+        .into_iter()
+        .map(|a| {
+            let source = match (a.status, a.limit) {
+                (Some(200 | 429), Some(l)) if l == burst => Source::Redis,
+                (Some(200 | 429), Some(l)) if l == share_burst => Source::Local,
+                _ => Source::Error,
+            };
+            Sample {
+                sent: a.sent,
+                key: a.n % keys,
+                admitted: a.status == Some(200),
+                source,
             }
-            samples
-        }));
-    }
-    let mut all = Vec::new();
-    for t in tasks {
-        all.extend(t.await?);
-    }
-    all.sort_by_key(|s| s.sent);
-    Ok(all)
+        })
+        .collect())
 }
 
 /// The slot of each key's bucket, as the instances compute it.

@@ -215,27 +215,50 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
     sorted[i].as_secs_f64() * 1000.0
 }
 
+/// One answer of a [`steady`] run, before anyone reads who decided it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Answer {
+    /// The request's number over all clients, as `request` was given it.
+    pub n: usize,
+    /// Since the start of the run.
+    pub sent: Duration,
+    pub latency: Duration,
+    /// `None`: no answer (a transport error).
+    pub status: Option<u16>,
+    /// Its `RateLimit-Limit`, if any.
+    pub limit: Option<u64>,
+}
+
+/// Makes the n-th request of a [`steady`] run (its URL and headers).
+pub(crate) type MakeRequest =
+    Arc<dyn Fn(&reqwest::Client, usize) -> reqwest::RequestBuilder + Send + Sync>;
+
 /// Steady load: `clients` tasks, each sending every `clients / qps`
-/// seconds, round-robin over `urls`, until `stop_at`.
-async fn drive(
-    urls: Arc<Vec<String>>,
-    args: &OutageArgs,
-    share_burst: u64,
+/// seconds from `start`, the n-th request over all of them made by
+/// `request` (its URL and headers), until `done` says so after a tick.
+pub(crate) async fn steady(
+    clients: usize,
+    qps: u64,
     start: Instant,
-    stop_at: Instant,
-) -> anyhow::Result<Vec<Sample>> {
+    done: Arc<dyn Fn() -> bool + Send + Sync>,
+    request: MakeRequest,
+) -> anyhow::Result<Vec<Answer>> {
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(5))
-        .pool_max_idle_per_host(args.clients)
+        .pool_max_idle_per_host(clients)
         .build()?;
     let next = Arc::new(AtomicUsize::new(0));
-    let interval = Duration::from_secs_f64(args.clients as f64 / args.qps.max(1) as f64);
+    let interval = Duration::from_secs_f64(clients as f64 / qps.max(1) as f64);
     let mut tasks = Vec::new();
-    for c in 0..args.clients {
-        let (http, next, urls) = (http.clone(), Arc::clone(&next), Arc::clone(&urls));
-        let (burst, clients) = (args.burst, args.clients);
+    for c in 0..clients {
+        let (http, next, done, request) = (
+            http.clone(),
+            Arc::clone(&next),
+            Arc::clone(&done),
+            Arc::clone(&request),
+        );
         tasks.push(tokio::spawn(async move {
-            let mut samples = Vec::new();
+            let mut answers = Vec::new();
             let mut tick = tokio::time::interval_at(
                 tokio::time::Instant::from_std(start) + interval.mul_f64(c as f64 / clients as f64),
                 interval,
@@ -243,53 +266,85 @@ async fn drive(
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
-                if Instant::now() >= stop_at {
+                if done() {
                     break;
                 }
-                let instance = next.fetch_add(1, Ordering::Relaxed) % urls.len();
+                let n = next.fetch_add(1, Ordering::Relaxed);
                 let sent = Instant::now();
-                let response = http
-                    .get(&urls[instance])
-                    .header("x-api-key", "outage-key")
-                    .send()
-                    .await;
+                let response = request(&http, n).send().await;
                 let latency = sent.elapsed();
-                let (admitted, source) = match response {
-                    Err(_) => (false, Source::Error),
-                    Ok(r) => {
-                        let limit = r
-                            .headers()
+                let (status, limit) = match response {
+                    Err(_) => (None, None),
+                    Ok(r) => (
+                        Some(r.status().as_u16()),
+                        r.headers()
                             .get("ratelimit-limit")
                             .and_then(|v| v.to_str().ok())
-                            .and_then(|v| v.parse::<u64>().ok());
-                        let status = r.status().as_u16();
-                        let source = match (status, limit) {
-                            (503, _) => Source::FailClosed,
-                            (200 | 429, Some(l)) if l == burst => Source::Redis,
-                            (200 | 429, Some(l)) if l == share_burst => Source::Local,
-                            (200, None) => Source::FailOpen,
-                            _ => Source::Error,
-                        };
-                        (status == 200, source)
-                    }
+                            .and_then(|v| v.parse::<u64>().ok()),
+                    ),
                 };
-                samples.push(Sample {
+                answers.push(Answer {
+                    n,
                     sent: sent - start,
                     latency,
-                    admitted,
-                    source,
-                    instance,
+                    status,
+                    limit,
                 });
             }
-            samples
+            answers
         }));
     }
     let mut all = Vec::new();
     for t in tasks {
         all.extend(t.await?);
     }
-    all.sort_by_key(|s| s.sent);
+    all.sort_by_key(|a| a.sent);
     Ok(all)
+}
+
+/// Steady load on the one API key, round-robin over `urls`, until
+/// `stop_at`; who answered read from `RateLimit-Limit` (the burst: Redis;
+/// the local share's; none on a 200: failed open) and the status.
+async fn drive(
+    urls: Arc<Vec<String>>,
+    args: &OutageArgs,
+    share_burst: u64,
+    start: Instant,
+    stop_at: Instant,
+) -> anyhow::Result<Vec<Sample>> {
+    let instances = urls.len();
+    let answers = steady(
+        args.clients,
+        args.qps,
+        start,
+        Arc::new(move || Instant::now() >= stop_at),
+        Arc::new(move |http, n| {
+            http.get(&urls[n % urls.len()])
+                .header("x-api-key", "outage-key")
+        }),
+    )
+    .await?;
+    let burst = args.burst;
+    Ok(answers
+        .into_iter()
+        .map(|a| {
+            let source = match (a.status, a.limit) {
+                (None, _) => Source::Error,
+                (Some(503), _) => Source::FailClosed,
+                (Some(200 | 429), Some(l)) if l == burst => Source::Redis,
+                (Some(200 | 429), Some(l)) if l == share_burst => Source::Local,
+                (Some(200), None) => Source::FailOpen,
+                _ => Source::Error,
+            };
+            Sample {
+                sent: a.sent,
+                latency: a.latency,
+                admitted: a.status == Some(200),
+                source,
+                instance: a.n % instances,
+            }
+        })
+        .collect())
 }
 
 /// Progress on stderr, with wall-clock times to line up with instance logs.
