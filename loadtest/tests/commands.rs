@@ -76,14 +76,15 @@ fn race_rejects_an_unknown_backend() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown backend"));
 }
 
-/// Runs `loadtest outage` with `args`; returns its CSV rows by "fault:mode".
-fn outage(tag: &str, args: &[&str]) -> HashMap<String, HashMap<String, String>> {
+/// Runs `loadtest <command>` with `args` and `--csv`, one command at a
+/// time; prints its table and returns its CSV rows.
+fn csv_command(command: &str, tag: &str, args: &[&str]) -> Vec<HashMap<String, String>> {
     let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = std::env::temp_dir().join(format!("loadtest-outage-{tag}-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("loadtest-{command}-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let csv = dir.join("outage.csv");
+    let csv = dir.join(format!("{command}.csv"));
     let out = Command::new(BIN)
-        .arg("outage")
+        .arg(command)
         .args(args)
         .arg("--csv")
         .arg(&csv)
@@ -98,7 +99,13 @@ fn outage(tag: &str, args: &[&str]) -> HashMap<String, HashMap<String, String>> 
     println!("{table}");
     let rows = csv_rows(&csv);
     std::fs::remove_dir_all(dir).unwrap();
-    rows.into_iter()
+    rows
+}
+
+/// Runs `loadtest outage` with `args`; returns its CSV rows by "fault:mode".
+fn outage(tag: &str, args: &[&str]) -> HashMap<String, HashMap<String, String>> {
+    csv_command("outage", tag, args)
+        .into_iter()
         .map(|row| (format!("{}:{}", row["fault"], row["mode"]), row))
         .collect()
 }
@@ -705,29 +712,15 @@ fn http_cost_drives_with_sleeping_threads_too() {
 /// sent about a tenth of the healthy masters' answers to the local share.
 #[test]
 fn a_cluster_master_kill_a_reshard_and_a_flush_touch_only_their_own_keys() {
-    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = std::env::temp_dir().join(format!("loadtest-cluster-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let csv = dir.join("cluster.csv");
-    let out = Command::new(BIN)
-        .args(["cluster-faults", "--before", "1.5", "--after", "3"])
+    let rows: HashMap<String, HashMap<String, String>> = csv_command(
+        "cluster-faults",
+        "three",
         // Debug builds on a shared 2-core machine: see the outage test.
-        .args(["--deadline", "50ms", "--csv"])
-        .arg(&csv)
-        .output()
-        .unwrap();
-    let table = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{table}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    println!("{table}");
-    let rows: HashMap<String, HashMap<String, String>> = csv_rows(&csv)
-        .into_iter()
-        .map(|row| (row["fault"].clone(), row))
-        .collect();
-    std::fs::remove_dir_all(dir).unwrap();
+        &["--before", "1.5", "--after", "3", "--deadline", "50ms"],
+    )
+    .into_iter()
+    .map(|row| (row["fault"].clone(), row))
+    .collect();
     let exact = |r: &HashMap<String, String>, who: &str| {
         let (local, requests) = (
             num(r, &format!("{who}_local")),
