@@ -173,7 +173,10 @@ impl LuaStore {
         };
         let topology = self.connection.topology();
         let call = Call::start(topology.bucket_node(key), "EVALSHA", algorithm.as_str());
-        let reply = evalsha(&self.connection, &command, script)
+        // On NOSCRIPT the script is loaded where it was missing, and sent again.
+        let reply = self
+            .connection
+            .call_script(&command, script)
             .instrument(call.span())
             .await;
         call.finish(&reply, topology);
@@ -253,17 +256,6 @@ impl Command for Evalsha<'_> {
         }
         Cow::Owned(command)
     }
-}
-
-/// Sends `command` (an EVALSHA of `script`); on NOSCRIPT loads the script
-/// on the node that said so and sends it again, as redis-rs's
-/// `ScriptInvocation` does.
-async fn evalsha(
-    connection: &RedisConnection,
-    command: &Evalsha<'_>,
-    script: &Script,
-) -> Result<Reply, RedisError> {
-    connection.call_script(command, script).await
 }
 
 impl LuaStore {
