@@ -21,6 +21,7 @@
 
 pub use crate::key::KeyKind;
 
+use crate::descriptors::DescriptorId;
 use crate::key::BucketKey;
 use http::HeaderMap;
 use ipnet::IpNet;
@@ -86,6 +87,8 @@ pub enum Identity {
     ApiKey(Arc<str>),
     /// A client address (IPv6 already cut to its prefix).
     Ip(IpAddr),
+    /// A descriptor sent to Envoy's rate limit service.
+    Descriptor(Arc<DescriptorId>),
 }
 
 /// The configured API keys, by the SHA-256 of the key.
@@ -416,6 +419,18 @@ impl KeyHasher {
             Identity::Ip(IpAddr::V6(v6)) => {
                 h.write_u8(b'6');
                 h.write(&v6.octets());
+            }
+            Identity::Descriptor(d) => {
+                h.write_u8(b'd');
+                let mut field = |text: &str| {
+                    h.write_u64(text.len() as u64);
+                    h.write(text.as_bytes());
+                };
+                field(&d.domain);
+                for (key, value) in &d.entries {
+                    field(key);
+                    field(value);
+                }
             }
         }
         BucketKey(h.finish128().as_u128())

@@ -135,6 +135,8 @@ pub enum KeyKind {
     Ip,
     /// An API key that is not configured: limited by address, answered 401.
     UnknownApiKey,
+    /// A descriptor sent to Envoy's rate limit service.
+    Descriptor,
 }
 
 impl KeyKind {
@@ -144,6 +146,7 @@ impl KeyKind {
             KeyKind::ApiKey => "api_key",
             KeyKind::Ip => "ip",
             KeyKind::UnknownApiKey => "unknown_api_key",
+            KeyKind::Descriptor => "descriptor",
         }
     }
 }

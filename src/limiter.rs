@@ -8,8 +8,9 @@
 
 use crate::algorithm::{Decision, Limit};
 use crate::clock::Clock;
+use crate::descriptors::{DescriptorId, DescriptorRules, Domain};
 use crate::hotkeys::HotKeys;
-use crate::identity::{Identifier, IdentityError, KeyHasher, KeyKind};
+use crate::identity::{Identifier, Identity, IdentityError, KeyHasher, KeyKind};
 use crate::metrics as m;
 use crate::policy::{Policies, RoutePolicy};
 use crate::store::{Check, Checked, Source, Store, StoreError};
@@ -108,6 +109,7 @@ pub struct Limiter {
     clock: Arc<dyn Clock>,
     near_limit_fraction: f64,
     hot_keys: Option<Arc<HotKeys>>,
+    descriptors: DescriptorRules,
     metrics: Metrics,
 }
 
@@ -187,7 +189,12 @@ const DENIED: usize = 1;
 const SHADOW_DENIED: usize = 2;
 const UNAVAILABLE: usize = 3;
 /// The `key_kind` label, by [`kind_index`].
-const KINDS: [KeyKind; 3] = [KeyKind::ApiKey, KeyKind::Ip, KeyKind::UnknownApiKey];
+const KINDS: [KeyKind; 4] = [
+    KeyKind::ApiKey,
+    KeyKind::Ip,
+    KeyKind::UnknownApiKey,
+    KeyKind::Descriptor,
+];
 /// The `source` label: a [`Source`], or no decision.
 const SOURCES: [&str; 8] = [
     "redis",
@@ -205,6 +212,7 @@ fn kind_index(kind: KeyKind) -> usize {
         KeyKind::ApiKey => 0,
         KeyKind::Ip => 1,
         KeyKind::UnknownApiKey => 2,
+        KeyKind::Descriptor => 3,
     }
 }
 
@@ -330,6 +338,7 @@ impl Limiter {
             clock,
             near_limit_fraction,
             hot_keys: None,
+            descriptors: DescriptorRules::default(),
         }
     }
 
@@ -337,6 +346,16 @@ impl Limiter {
     /// (shared, so a reload can hand it on to the next limiter).
     pub fn with_hot_keys(self, hot_keys: Option<Arc<HotKeys>>) -> Self {
         Self { hot_keys, ..self }
+    }
+
+    /// The same limiter deciding the descriptors of Envoy's rate limit
+    /// service by `domains`' rules, over its own policies.
+    pub fn with_descriptors(self, domains: &[Domain]) -> Self {
+        let descriptors = DescriptorRules::new(domains, |name| self.policies.named(name));
+        Self {
+            descriptors,
+            ..self
+        }
     }
 
     /// How it keys buckets.
@@ -430,52 +449,74 @@ impl Limiter {
         peer: Option<IpAddr>,
     ) -> Outcome {
         let policy = self.policies.get(position);
-        let outcome = self
-            .decide(policy, &self.metrics.policies[position], headers, peer)
-            .await;
-        if !policy.shadow {
-            return outcome;
-        }
-        // Shadow mode: decided and counted above; the request passes.
-        match outcome {
-            Outcome::StoreFailed { policy, error } => {
-                tracing::error!(policy = %policy.name, %error, "rate limit store refused a shadow policy's request");
-                Outcome::Shadow { policy }
-            }
-            _ => Outcome::Shadow {
-                policy: Arc::clone(policy),
-            },
-        }
-    }
-
-    /// Identity, key, one call down the store stack, and the metrics.
-    async fn decide(
-        &self,
-        policy: &Arc<RoutePolicy>,
-        metrics: &PolicyMetrics,
-        headers: &HeaderMap,
-        peer: Option<IpAddr>,
-    ) -> Outcome {
+        let metrics = &self.metrics.policies[position];
         let (identified, ignores_forwarding) = self.identifier.identify_request(headers, peer);
         if ignores_forwarding {
             metrics::counter!(m::UNTRUSTED_FORWARDED_TOTAL).increment(1);
         }
-        let (identity, kind) = match identified {
-            Ok(found) => found,
+        let outcome = match identified {
+            Ok((identity, kind)) => {
+                self.decide(policy, metrics, identity, kind, policy.cost)
+                    .await
+            }
             Err(e) => {
                 metrics::counter!(m::IDENTITY_ERRORS_TOTAL, "reason" => e.kind()).increment(1);
                 return Outcome::BadIdentity(e);
             }
         };
+        shadowed(policy, outcome)
+    }
+
+    /// Decide one descriptor sent to Envoy's rate limit service: under the
+    /// policy its domain's rules name ([`crate::descriptors`]), keyed by
+    /// the descriptor, at `cost` tokens (`None`: the policy's cost; 0 reads
+    /// the bucket and takes nothing). [`Outcome::Unlimited`] where no rule
+    /// or an unlimited policy applies.
+    pub async fn check_descriptor(&self, descriptor: DescriptorId, cost: Option<u64>) -> Outcome {
+        let entries = descriptor.entries.iter().map(|(k, v)| (&**k, &**v));
+        let Some(position) = self
+            .descriptors
+            .find(&descriptor.domain, entries)
+            .filter(|&i| !self.policies.get(i).is_unlimited())
+        else {
+            return Outcome::Unlimited;
+        };
+        let policy = self.policies.get(position);
+        let identity = Identity::Descriptor(Arc::new(descriptor));
+        let cost = cost.unwrap_or(policy.cost);
+        let outcome = self
+            .decide(
+                policy,
+                &self.metrics.policies[position],
+                identity,
+                KeyKind::Descriptor,
+                cost,
+            )
+            .await;
+        shadowed(policy, outcome)
+    }
+
+    /// Key, one call down the store stack, and the metrics, for `identity`
+    /// at `cost` tokens.
+    async fn decide(
+        &self,
+        policy: &Arc<RoutePolicy>,
+        metrics: &PolicyMetrics,
+        identity: Identity,
+        kind: KeyKind,
+        cost: u64,
+    ) -> Outcome {
         let Some(limit) = policy.limit_of(&identity, kind) else {
             return Outcome::Unlimited;
         };
         let key = self.hasher.bucket_key(&policy.name, &identity);
         let now = self.clock.now();
-        let check = Check::new(key, limit, policy.cost, now)
+        // A read (cost 0) takes no lease and is not a denial to remember.
+        let taking = cost > 0;
+        let check = Check::new(key, limit, cost, now)
             .on_failure(policy.failure_mode)
-            .with_deny_cache(policy.deny_cache)
-            .with_lease(policy.lease)
+            .with_deny_cache(policy.deny_cache && taking)
+            .with_lease(if taking { policy.lease } else { 0 })
             .with_shards(policy.shards_for(&identity));
         // Never the key itself, nor the address or credential behind it.
         let span = tracing::info_span!(
@@ -573,17 +614,39 @@ impl Limiter {
     }
 }
 
+/// A shadow policy's outcome: decided and counted as usual, the request
+/// passes.
+fn shadowed(policy: &Arc<RoutePolicy>, outcome: Outcome) -> Outcome {
+    if !policy.shadow {
+        return outcome;
+    }
+    match outcome {
+        Outcome::StoreFailed { policy, error } => {
+            tracing::error!(policy = %policy.name, %error, "rate limit store refused a shadow policy's request");
+            Outcome::Shadow { policy }
+        }
+        _ => Outcome::Shadow {
+            policy: Arc::clone(policy),
+        },
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     /// Every key kind. The match fails to compile when a kind is added,
     /// until it is listed here too, and so tested below.
-    fn every_kind() -> [KeyKind; 3] {
+    fn every_kind() -> [KeyKind; 4] {
         match KeyKind::Ip {
-            KeyKind::ApiKey | KeyKind::Ip | KeyKind::UnknownApiKey => {}
+            KeyKind::ApiKey | KeyKind::Ip | KeyKind::UnknownApiKey | KeyKind::Descriptor => {}
         }
-        [KeyKind::ApiKey, KeyKind::Ip, KeyKind::UnknownApiKey]
+        [
+            KeyKind::ApiKey,
+            KeyKind::Ip,
+            KeyKind::UnknownApiKey,
+            KeyKind::Descriptor,
+        ]
     }
 
     /// Every source, likewise.

@@ -129,6 +129,14 @@ pub const HOT_KEY_NODE_SHARE: &str = "ratelimit_hot_key_node_share";
 /// changed fields only a restart applies). Refused reloads keep the
 /// running config.
 pub const CONFIG_RELOADS_TOTAL: &str = "ratelimit_config_reloads_total";
+/// Histogram: every call to Envoy's rate limit service (gRPC), its
+/// duration, by the OpenTelemetry semantic-convention name and labels:
+/// `rpc_method` (`envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`),
+/// `rpc_response_status_code` (the gRPC status: `OK`, `INVALID_ARGUMENT`,
+/// ...), and `ratelimit_code` (the answer: `OK`, `OVER_LIMIT`; `none`
+/// for an error status). Each descriptor's decision is also in
+/// `ratelimit_decisions_total` with `key_kind="descriptor"`.
+pub const RPC_SERVER_CALL_DURATION_SECONDS: &str = "rpc_server_call_duration_seconds";
 /// Gauge, always 1: which instance and backend this is. Labels:
 /// `instance_id` (the configured id; `instance` is Prometheus's own target
 /// label), `backend`.
@@ -161,6 +169,7 @@ pub const ALL: &[&str] = &[
     HOT_KEY_STORE_CALLS_PER_SECOND,
     HOT_KEY_NODE_SHARE,
     CONFIG_RELOADS_TOTAL,
+    RPC_SERVER_CALL_DURATION_SECONDS,
     INSTANCE_INFO,
     process::PROCESS_CPU_SECONDS_TOTAL,
     process::PROCESS_RESIDENT_MEMORY_BYTES,
@@ -341,6 +350,11 @@ fn describe() {
     metrics::describe_counter!(
         CONFIG_RELOADS_TOTAL,
         "Config reloads by result: applied, invalid, needs_restart"
+    );
+    metrics::describe_histogram!(
+        RPC_SERVER_CALL_DURATION_SECONDS,
+        metrics::Unit::Seconds,
+        "Duration of rate limit service calls (gRPC)"
     );
     metrics::describe_gauge!(INSTANCE_INFO, "Instance id and backend, value 1");
     metrics::describe_gauge!(

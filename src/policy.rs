@@ -16,8 +16,9 @@ pub struct Policy {
     /// Name, `[A-Za-z0-9_.-]{1,64}`: shown in headers and metric labels.
     pub name: String,
     /// Prefix of the route template (e.g. `/api/` or `/api/orders`); the
-    /// longest matching prefix wins.
-    pub route: String,
+    /// longest matching prefix wins. `None`: no HTTP route, only
+    /// descriptor rules ([`crate::descriptors`]) use it.
+    pub route: Option<String>,
     /// Methods this policy applies to; empty means all.
     pub methods: Vec<Method>,
     /// `None`: the route is not limited.
@@ -72,6 +73,7 @@ fn names(keys: &[String], identity: &Identity) -> bool {
     match identity {
         Identity::ApiKey(id) => keys.iter().any(|k| k == &**id),
         Identity::Ip(ip) => keys.iter().any(|k| k.parse() == Ok(*ip)),
+        Identity::Descriptor(_) => false,
     }
 }
 
@@ -80,7 +82,7 @@ fn names(keys: &[String], identity: &Identity) -> bool {
 pub struct RoutePolicy {
     /// The name shown in headers and metrics.
     pub name: Arc<str>,
-    route: String,
+    route: Option<String>,
     methods: Vec<Method>,
     keyed: Option<Limit>,
     anonymous: Option<Limit>,
@@ -149,7 +151,7 @@ impl RoutePolicy {
     /// The limit for a client identified as `kind`; `None` if unlimited.
     pub fn limit_for(&self, kind: KeyKind) -> Option<Limit> {
         match kind {
-            KeyKind::ApiKey => self.keyed,
+            KeyKind::ApiKey | KeyKind::Descriptor => self.keyed,
             KeyKind::Ip | KeyKind::UnknownApiKey => self.anonymous,
         }
     }
@@ -186,10 +188,11 @@ impl Policies {
             .map(|p| Arc::new(RoutePolicy::new(p, default_mode)))
             .collect();
         // Longest prefix first; among equals, method-specific before "all".
+        // Policies without a route (descriptor rules only) last.
+        let len = |p: &RoutePolicy| p.route.as_ref().map(String::len);
         list.sort_by(|a, b| {
-            b.route
-                .len()
-                .cmp(&a.route.len())
+            len(b)
+                .cmp(&len(a))
                 .then(a.methods.is_empty().cmp(&b.methods.is_empty()))
         });
         Self { list }
@@ -209,9 +212,14 @@ impl Policies {
     /// and method is, if any.
     pub fn position(&self, route: &str, method: &Method) -> Option<usize> {
         self.list.iter().position(|p| {
-            route.starts_with(p.route.as_str())
+            p.route.as_deref().is_some_and(|r| route.starts_with(r))
                 && (p.methods.is_empty() || p.methods.contains(method))
         })
+    }
+
+    /// Where in [`Policies::names`]' order the policy called `name` is.
+    pub fn named(&self, name: &str) -> Option<usize> {
+        self.list.iter().position(|p| &*p.name == name)
     }
 
     /// The policy at `position`.

@@ -15,6 +15,8 @@ const LAYERS: &[(&str, u32)] = &[
     // The pure algorithms; telemetry's vocabulary and setup (stores name
     // their spans with it).
     ("algorithm", 1),
+    // Which policy a rate limit service descriptor gets: plain data.
+    ("descriptors", 1),
     ("telemetry", 1),
     // Where state lives, and the request/answer every layer speaks.
     ("store", 2),
@@ -28,6 +30,8 @@ const LAYERS: &[(&str, u32)] = &[
     ("limiter", 4),
     ("config", 4),
     ("middleware", 5),
+    // Envoy's rate limit service: the limiter behind gRPC.
+    ("rls", 5),
     ("api", 6),
     ("server", 7),
 ];

@@ -157,17 +157,19 @@ async fn a_bad_file_changes_nothing_and_the_error_names_the_field() {
 async fn a_change_that_needs_a_restart_refuses_the_whole_file() {
     let it = instance(&config_text("", "3"));
     let api = app(it.state.clone());
-    // A good change (trust) beside two that need a restart.
+    // A good change (trust) beside three that need a restart.
     std::fs::write(
         &it.file,
         format!(
-            "listen = \"127.0.0.1:1\"\n{}[memory]\nmax_keys = 7\n",
+            "listen = \"127.0.0.1:1\"\n{}[memory]\nmax_keys = 7\n[rls]\nlisten = \"127.0.0.1:2\"\n",
             config_text("\"192.0.2.10\"", "3")
         ),
     )
     .unwrap();
     match it.reloader.reload() {
-        Err(ReloadError::NeedsRestart(fields)) => assert_eq!(fields, ["listen", "memory"]),
+        Err(ReloadError::NeedsRestart(fields)) => {
+            assert_eq!(fields, ["listen", "memory", "rls.listen"])
+        }
         other => panic!("{other:?}"),
     }
     assert_eq!(it.state.limiter.generation(), 1);

@@ -91,6 +91,8 @@ pub struct Cli {
     pub hot_keys: HotKeyFlags,
     #[command(flatten)]
     pub deny_cache: DenyCacheFlags,
+    #[command(flatten)]
+    pub rls: RlsFlags,
 }
 
 /// `[http]` flags.
@@ -247,4 +249,15 @@ pub struct DenyCacheFlags {
     #[arg(id = "deny_cache_max_keys", long = "deny-cache-max-keys", env = "RL_DENY_CACHE_MAX_KEYS", help = help("Most denials an instance remembers for policies with deny_cache", "deny_cache.max_keys"))]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_keys: Option<usize>,
+}
+
+/// `[rls]` flags.
+#[derive(Debug, Clone, Default, Args, Serialize)]
+pub struct RlsFlags {
+    #[arg(id = "rls_listen", long = "rls-listen", env = "RL_RLS_LISTEN", help = help("Address Envoy's rate limit service (gRPC) listens on", "rls.listen"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub listen: Option<String>,
+    #[arg(id = "rls_max_message_bytes", long = "rls-max-message-bytes", env = "RL_RLS_MAX_MESSAGE_BYTES", help = help("Largest rate limit request message in bytes", "rls.max_message_bytes"))]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_message_bytes: Option<usize>,
 }

@@ -53,6 +53,47 @@ pub struct Settings {
     pub api_keys: Vec<ApiKeyFile>,
     /// `[[policies]]`.
     pub policies: Vec<PolicyFile>,
+    /// `[rls]`.
+    pub rls: RlsFile,
+}
+
+/// `[rls]`: Envoy's rate limit service (see [`crate::rls`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RlsFile {
+    /// Where the gRPC service listens (`None`: it is not served).
+    pub listen: Option<String>,
+    /// The largest request message, in bytes.
+    pub max_message_bytes: usize,
+    /// `[[rls.domains]]`: which policy limits which descriptors.
+    #[serde(default)]
+    pub domains: Vec<DomainFile>,
+}
+
+/// One `[[rls.domains]]` entry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DomainFile {
+    /// The domain Envoy's filter sends.
+    pub domain: String,
+    /// Its top-level descriptor rules.
+    #[serde(default)]
+    pub descriptors: Vec<DescriptorFile>,
+}
+
+/// One descriptor rule: `{ key = "api_key", policy = "per-key" }`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DescriptorFile {
+    /// The entry's key.
+    pub key: String,
+    /// The entry's value (absent: any value, a bucket per value).
+    pub value: Option<String>,
+    /// The policy a descriptor ending here gets.
+    pub policy: Option<String>,
+    /// Rules for the next entry.
+    #[serde(default)]
+    pub descriptors: Vec<DescriptorFile>,
 }
 
 /// `[http]`: what a connection may cost the instance (see
@@ -208,8 +249,8 @@ pub struct LimitFile {
 pub struct PolicyFile {
     /// Name in headers and metrics.
     pub name: String,
-    /// Route template prefix.
-    pub route: String,
+    /// Route template prefix (absent: only descriptor rules use it).
+    pub route: Option<String>,
     /// Methods (all if absent).
     pub methods: Option<Vec<String>>,
     /// No limit on this route.
@@ -350,7 +391,7 @@ impl Default for Settings {
             // Without policies in the file: every /api/ route, 100 at 10/s.
             policies: vec![PolicyFile {
                 name: "api".into(),
-                route: "/api/".into(),
+                route: Some("/api/".into()),
                 methods: None,
                 unlimited: false,
                 burst: Some(100),
@@ -367,6 +408,13 @@ impl Default for Settings {
                 shard_keys: Vec::new(),
                 overrides: Vec::new(),
             }],
+            rls: RlsFile {
+                listen: None,
+                // Envoy's filter sends a few descriptors of a few short
+                // entries: far below tonic's 4 MiB default.
+                max_message_bytes: 64 * 1024,
+                domains: Vec::new(),
+            },
         }
     }
 }

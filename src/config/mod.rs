@@ -50,8 +50,11 @@
 //! | `hot_keys.window` | `--hot-keys-window` / `RL_HOT_KEYS_WINDOW` | `10s` |
 //! | `hot_keys.addresses` | `--hot-keys-addresses` / `RL_HOT_KEYS_ADDRESSES` | `hash` (or `show`) |
 //! | `deny_cache.max_keys` | `--deny-cache-max-keys` / `RL_DENY_CACHE_MAX_KEYS` | `100000` |
+//! | `rls.listen` | `--rls-listen` / `RL_RLS_LISTEN` | none: Envoy's rate limit service is not served |
+//! | `rls.max_message_bytes` | `--rls-max-message-bytes` / `RL_RLS_MAX_MESSAGE_BYTES` | `65536` |
 //! | `[[api_keys]]` | file only | none |
 //! | `[[policies]]` | file only | one policy `api`: route `/api/`, burst 100, 10/s |
+//! | `[[rls.domains]]` | file only | none |
 //!
 //! The defaults are declared once, in [`file::Settings::default`]; the flags'
 //! help quotes them, and a test holds this table and docs/configuration.md's to them.
@@ -80,12 +83,13 @@ mod parse;
 mod validate;
 
 pub use cli::{
-    Cli, DenyCacheFlags, FailureFlags, HotKeyFlags, HttpFlags, MemoryFlags, RedisFlags,
+    Cli, DenyCacheFlags, FailureFlags, HotKeyFlags, HttpFlags, MemoryFlags, RedisFlags, RlsFlags,
     TracingFlags, default_of,
 };
 pub use otel::OtelEnv;
 pub use parse::parse_period;
 
+use crate::descriptors::Domain;
 use crate::failover::FailoverSettings;
 use crate::hotkeys::HotKeySettings;
 use crate::policy::Policy;
@@ -142,6 +146,17 @@ pub struct ApiKeyConfig {
     pub sha256: [u8; 32],
 }
 
+/// Envoy's rate limit service (`[rls]`; see [`crate::rls`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RlsConfig {
+    /// Where it listens (`None`: not served).
+    pub listen: Option<SocketAddr>,
+    /// The largest request message, in bytes.
+    pub max_message_bytes: usize,
+    /// Which policy limits which descriptors.
+    pub domains: Vec<Domain>,
+}
+
 /// The validated configuration.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -180,6 +195,8 @@ pub struct Config {
     pub api_keys: Vec<ApiKeyConfig>,
     /// Route policies.
     pub policies: Vec<Policy>,
+    /// Envoy's rate limit service.
+    pub rls: RlsConfig,
     /// `OTEL_*` variables that were ignored, one line each, for the
     /// service to warn about once it logs.
     pub ignored_env: Vec<String>,

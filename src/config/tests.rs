@@ -22,7 +22,7 @@ fn no_file_gives_the_documented_defaults() {
     assert_eq!(c.policies.len(), 1, "one built-in policy");
     let p = &c.policies[0];
     assert_eq!(
-        (p.name.as_str(), p.route.as_str(), p.cost),
+        (p.name.as_str(), p.route.as_deref().unwrap_or(""), p.cost),
         ("api", "/api/", 1)
     );
     assert_eq!(p.limit, Some(Limit::per_second(100, 10).unwrap()));

@@ -317,6 +317,17 @@ impl HotKeys {
             (Identity::ApiKey(id), _) => id.to_string(),
             (Identity::Ip(ip), AddressDisplay::Show) => ip.to_string(),
             (Identity::Ip(_), AddressDisplay::Hash) => format!("h:{}", &key.to_string()[..8]),
+            (Identity::Descriptor(d), AddressDisplay::Show) => d.to_string(),
+            // Descriptor values are often addresses or user ids (Envoy's
+            // `remote_address`): the domain and keys, the values hashed.
+            (Identity::Descriptor(d), AddressDisplay::Hash) => {
+                let mut shown = d.domain.to_string();
+                for (k, _) in &d.entries {
+                    shown.push(' ');
+                    shown.push_str(k);
+                }
+                format!("{shown} h:{}", &key.to_string()[..8])
+            }
         }
     }
 

@@ -16,6 +16,7 @@ use crate::limiter::{CurrentLimiter, Limiter};
 use crate::metrics as m;
 use crate::mitigation::{DenyCache, Leases, Sharded};
 use crate::policy::Policies;
+use crate::rls::RateLimiter;
 use crate::store::redis::RedisConnection;
 use crate::store::{Backend, Counted, LuaStore, MemoryStore, NaiveStore, Store};
 use crate::telemetry;
@@ -160,6 +161,7 @@ fn limiter_with(
         config.near_limit_fraction,
     )
     .with_hot_keys(hot_keys)
+    .with_descriptors(&config.rls.domains)
 }
 
 /// Builds the shared state of one instance from validated config.
@@ -246,6 +248,11 @@ pub fn restart_only_changes(running: &Config, new: &Config) -> Vec<&'static str>
     check("redis", running.redis == new.redis);
     check("failure", running.failover == new.failover);
     check("tracing", running.tracing == new.tracing);
+    check(
+        "rls.listen",
+        running.rls.listen == new.rls.listen
+            && running.rls.max_message_bytes == new.rls.max_message_bytes,
+    );
     changed
 }
 
@@ -407,6 +414,19 @@ async fn run_instance(config: &Config, cli: Option<Cli>) -> Result<(), RunError>
     }
     #[cfg(not(unix))]
     let _ = (cli, store);
+    if let Some(addr) = config.rls.listen {
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|source| RunError::Bind { addr, source })?;
+        tracing::info!(listen = %addr, domains = config.rls.domains.len(), "serving Envoy's rate limit service");
+        let service = RateLimiter::new(Arc::clone(&state.limiter));
+        let max = config.rls.max_message_bytes;
+        tokio::spawn(async move {
+            if let Err(error) = serve_rls(listener, service, max, shutdown_signal()).await {
+                tracing::error!(%error, "the rate limit service stopped");
+            }
+        });
+    }
     let listener = TcpListener::bind(config.listen)
         .await
         .map_err(|source| RunError::Bind {
@@ -450,6 +470,23 @@ pub async fn serve(
         connections::serve_connections(listener, front, limiter, &settings, shutdown).await;
     upkeep.abort();
     result
+}
+
+/// Serves Envoy's rate limit service on `listener` until `shutdown`
+/// completes, refusing messages above `max_message_bytes`.
+pub async fn serve_rls(
+    listener: TcpListener,
+    service: RateLimiter,
+    max_message_bytes: usize,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
+    tonic::transport::Server::builder()
+        .add_service(service.into_service(max_message_bytes))
+        .serve_with_incoming_shutdown(
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+            shutdown,
+        )
+        .await
 }
 
 /// Completes on ctrl-c or SIGTERM (what `docker stop` and systemd send).

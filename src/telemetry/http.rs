@@ -188,6 +188,29 @@ pub fn server_span(method: &'static str, headers: &HeaderMap) -> Span {
     span
 }
 
+/// The server span of a gRPC call to `service`/`method`, continuing the
+/// caller's trace (Envoy's) from its metadata as [`server_span`] does.
+pub fn rpc_span(service: &'static str, method: &'static str, metadata: &HeaderMap) -> Span {
+    let span = tracing::info_span!(
+        target: TARGET,
+        "rpc.server",
+        otel.name = format!("{service}/{method}"),
+        otel.kind = "server",
+        otel.status_code = tracing::field::Empty,
+        rpc.system = "grpc",
+        rpc.service = service,
+        rpc.method = method,
+        rpc.grpc.status_code = tracing::field::Empty,
+    );
+    if !span.is_disabled() {
+        let parent = opentelemetry::global::get_text_map_propagator(|propagator| {
+            propagator.extract(&HeaderExtractor(metadata))
+        });
+        let _ = span.set_parent(parent);
+    }
+    span
+}
+
 /// Names the server span by its route and records the response on it.
 pub fn end_server_span(span: &Span, method: &'static str, route: &str, status: u16) {
     if span.is_disabled() {

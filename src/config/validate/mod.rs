@@ -14,10 +14,12 @@ use std::time::Duration;
 
 mod policies;
 mod redis;
+mod rls;
 mod sections;
 
 use policies::{api_keys, override_keys, policies, shards};
 use redis::redis;
+use rls::rls;
 pub(super) use sections::http;
 use sections::{failover, hot_keys, memory, tracing};
 
@@ -168,6 +170,8 @@ pub(super) fn validate(s: Settings) -> Result<Config, ConfigError> {
         }
     }
 
+    let rls = rls(s.rls, &policies)?;
+
     Ok(Config {
         listen,
         backend,
@@ -186,6 +190,7 @@ pub(super) fn validate(s: Settings) -> Result<Config, ConfigError> {
         deny_cache_max_keys: s.deny_cache.max_keys,
         api_keys,
         policies,
+        rls,
         ignored_env: Vec::new(),
     })
 }

@@ -264,7 +264,7 @@ pub(super) fn policies(
                 format!("duplicate policy {:?}", p.name),
             ));
         }
-        if !p.route.starts_with('/') {
+        if p.route.as_ref().is_some_and(|r| !r.starts_with('/')) {
             return Err(invalid(format!("{field}.route"), "must start with '/'"));
         }
         let methods = p
@@ -359,7 +359,8 @@ pub(super) fn policies(
             (Some(limit), Some(anonymous), overrides)
         };
         if out.iter().any(|o| {
-            o.route == p.route
+            p.route.is_some()
+                && o.route == p.route
                 && (o.methods.is_empty()
                     || methods.is_empty()
                     || o.methods.iter().any(|m| methods.contains(m)))
