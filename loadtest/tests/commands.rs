@@ -622,7 +622,16 @@ fn http_cost_writes_its_tables() {
     println!("{table}");
     assert!(table.contains("Command: `loadtest http-cost --requests 3000"));
     assert!(table.contains("the load generator on CPU 1 (one thread, never asleep)"));
-    for variant in ["unlimited", "memory", "lua", "denied", "governor", "plain"] {
+    for variant in [
+        "unlimited",
+        "memory",
+        "lua",
+        "grpc",
+        "grpc-lua",
+        "denied",
+        "governor",
+        "plain",
+    ] {
         let cells: Vec<&str> = variant_row(&table, variant)
             .split('|')
             .map(str::trim)
@@ -637,13 +646,13 @@ fn http_cost_writes_its_tables() {
             "{variant}: {user} us of {us} in user space"
         );
         assert!(median(cells[5]) > 0.0, "{variant}: ratio {}", cells[5]);
-        let answers = if variant == "denied" {
-            "6000 x 429"
-        } else {
-            "6000 x 200"
+        let answers = match variant {
+            "denied" => "6000 x 429",
+            "grpc" | "grpc-lua" => "6000 x OK",
+            _ => "6000 x 200",
         };
         assert_eq!(cells[10], answers, "{variant}");
-        if variant == "lua" {
+        if variant == "lua" || variant == "grpc-lua" {
             assert!(median(cells[4]) > 0.0, "Redis CPU read");
         }
     }
@@ -651,7 +660,7 @@ fn http_cost_writes_its_tables() {
     assert!(table.contains("- memory-limited route vs tower_governor, user space alone: "));
     assert!(table.contains("- lua route's server CPU beyond the memory route's vs Redis's CPU: "));
     let runs = csv_rows(&dir.join("runs.csv"));
-    assert_eq!(runs.len(), 12, "6 variants x 2 rounds");
+    assert_eq!(runs.len(), 16, "8 variants x 2 rounds");
     assert!(runs.iter().all(|r| r["other"] == "0"));
     let seconds = |r: &HashMap<String, String>, column: &str| -> f64 { r[column].parse().unwrap() };
     assert!(

@@ -120,7 +120,7 @@ impl Tally {
         }
     }
 
-    fn add(&mut self, other: Tally) {
+    pub(super) fn add(&mut self, other: Tally) {
         self.latencies_us.extend(other.latencies_us);
         self.ok += other.ok;
         self.limited += other.limited;

@@ -29,6 +29,8 @@
 //! | `memory` | our server, a memory-backend policy far above the load (every request checked, admitted) |
 //! | `lua` | the same policy on the lua backend; a real redis-server, pinned to the server's CPU, whose CPU is read too |
 //! | `denied` | our server, 1 token an hour: all but the first request answered 429 |
+//! | `grpc` | our server, the `memory` variant's policy asked over gRPC as Envoy's rate limit service (one descriptor a call) |
+//! | `grpc-lua` | the same on the lua backend |
 //! | `governor` | the tower_governor peer, its headers on, a quota far above the load |
 //! | `plain` | the plain axum peer |
 //!
@@ -57,10 +59,12 @@
 //!
 //! The pieces: [`drive`](mod@drive) is the load generator (a minimal
 //! keep-alive client, its connections, the CPU read around them),
+//! [`grpc`](mod@grpc) its gRPC twin,
 //! [`report`](mod@report) the tables and the goals judged from the runs;
 //! this module starts the servers, runs the rounds and writes the files.
 
 mod drive;
+mod grpc;
 mod report;
 
 use anyhow::{Context, ensure};
@@ -90,7 +94,7 @@ pub struct HttpCostArgs {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "unlimited,memory,lua,denied,governor,plain"
+        default_value = "unlimited,memory,lua,grpc,grpc-lua,denied,governor,plain"
     )]
     pub variants: Vec<String>,
     /// The CPU every server (and redis-server) is pinned to
@@ -116,14 +120,28 @@ pub struct HttpCostArgs {
 }
 
 /// The variants, by name.
-const VARIANTS: [&str; 6] = ["unlimited", "memory", "lua", "denied", "governor", "plain"];
+const VARIANTS: [&str; 8] = [
+    "unlimited",
+    "memory",
+    "lua",
+    "grpc",
+    "grpc-lua",
+    "denied",
+    "governor",
+    "plain",
+];
+
+/// Whether `variant` uses Redis.
+fn on_redis(variant: &str) -> bool {
+    matches!(variant, "lua" | "grpc-lua")
+}
 
 /// The policies of our server's variants (the route is the sample API's).
 fn policy(variant: &str) -> &'static str {
     match variant {
         "unlimited" => "[[policies]]\nname = \"api\"\nroute = \"/api/\"\nunlimited = true\n",
         // The governor peer's quota: 10^8 a second, a burst of 10^8.
-        "memory" | "lua" => {
+        "memory" | "lua" | "grpc" | "grpc-lua" => {
             "[[policies]]\nname = \"api\"\nroute = \"/api/\"\nburst = 100000000\nrate = 100000000\n"
         }
         _ => "[[policies]]\nname = \"api\"\nroute = \"/api/\"\nburst = 1\nrate = 1\nper = \"1h\"\n",
@@ -231,6 +249,8 @@ fn run_one(
 ) -> anyhow::Result<Run> {
     let port = free_port()?;
     let listen = format!("127.0.0.1:{port}");
+    let grpc = variant.starts_with("grpc");
+    let rls_port = free_port()?;
     let mut command = Command::new("taskset");
     command.args(["-c", &args.server_cpu.to_string()]);
     match variant {
@@ -245,8 +265,15 @@ fn run_one(
                 "key_secret = \"http-cost-shared-secret\"\n{}",
                 policy(variant)
             );
-            if variant == "lua" {
-                let redis = redis.context("the lua variant needs redis-server")?;
+            if grpc {
+                toml = format!(
+                    "{toml}[rls]\nlisten = \"127.0.0.1:{rls_port}\"\n[[rls.domains]]\ndomain = \"{}\"\n\
+                     [[rls.domains.descriptors]]\nkey = \"api_key\"\npolicy = \"api\"\n",
+                    grpc::DOMAIN
+                );
+            }
+            if on_redis(variant) {
+                let redis = redis.context("the lua variants need redis-server")?;
                 // Deadlines a loaded machine does not miss: a check the
                 // failure mode decides would measure the fallback.
                 toml = format!(
@@ -272,12 +299,19 @@ fn run_one(
             .context("cannot start the server (taskset: Debian util-linux)")?,
     );
     wait_for_listener(&mut server, port, variant)?;
+    if grpc {
+        wait_for_listener(&mut server, rls_port, variant)?;
+    }
     let mut pids = vec![server.pid()];
-    if variant == "lua" {
+    if on_redis(variant) {
         pids.extend(redis.and_then(RedisServer::pid));
     }
-    let (seconds, cpu, tally) = drive(port, &pids, args)?;
-    let fallback = if variant == "lua" {
+    let (seconds, cpu, tally) = if grpc {
+        grpc::drive(rls_port, &pids, args)?
+    } else {
+        drive(port, &pids, args)?
+    };
+    let fallback = if on_redis(variant) {
         fallback_decisions(port)?
     } else {
         0.0
@@ -303,7 +337,7 @@ fn run_one(
     );
     ensure!(
         run.other == 0,
-        "{variant}: {} answers neither 200 nor 429",
+        "{variant}: {} answers neither 200 nor 429 (OK nor OVER_LIMIT)",
         run.other
     );
     let expected = if variant == "denied" {
@@ -316,7 +350,11 @@ fn run_one(
         "{variant}: {} of {} answers were {}",
         expected,
         run.requests(),
-        if variant == "denied" { "429" } else { "200" }
+        match variant {
+            "denied" => "429",
+            "grpc" | "grpc-lua" => "OK",
+            _ => "200",
+        }
     );
     ensure!(
         run.server_cpu > 0.0,
@@ -345,7 +383,7 @@ fn run_blocking(args: &HttpCostArgs) -> anyhow::Result<()> {
     ensure!(args.repeats > 0 && args.requests > 0, "nothing to measure");
     let servers = servers(args)?;
     pin_this_process(args.client_cpu)?;
-    let redis = if args.variants.iter().any(|v| v == "lua") {
+    let redis = if args.variants.iter().any(|v| on_redis(v)) {
         Some(RedisServer::start_pinned(args.server_cpu)?)
     } else {
         None

@@ -102,13 +102,14 @@ pub(super) fn tables(runs: &[Run], variants: &[String]) -> (Table, Table, Vec<St
         let answers = if v == "denied" {
             format!("{} x 429", mine.iter().map(|r| r.limited).sum::<usize>())
         } else {
-            format!("{} x 200", mine.iter().map(|r| r.ok).sum::<usize>())
+            let ok = if v.starts_with("grpc") { "OK" } else { "200" };
+            format!("{} x {ok}", mine.iter().map(|r| r.ok).sum::<usize>())
         };
         summary.row(vec![
             v.clone(),
             spread(of(Run::server_us), 2),
             spread(of(Run::server_user_us), 2),
-            if v == "lua" {
+            if v == "lua" || v == "grpc-lua" {
                 spread(of(Run::redis_us), 2)
             } else {
                 "-".into()
