@@ -22,12 +22,18 @@ const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 
 /// The binary on `config/rls.toml` with `args`; its gRPC port.
 fn start(args: &[&str]) -> (ChildGuard, u16) {
+    start_with(args, &[])
+}
+
+/// [`start`], with `env` set.
+fn start_with(args: &[&str], env: &[(&str, &str)]) -> (ChildGuard, u16) {
     let (http, grpc) = (free_port().unwrap(), free_port().unwrap());
     let child = Command::new(BIN)
         .args(["--config", &format!("{ROOT}/config/rls.toml")])
         .args(["--listen", &format!("127.0.0.1:{http}")])
         .args(["--rls-listen", &format!("127.0.0.1:{grpc}")])
         .args(args)
+        .envs(env.iter().copied())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -309,6 +315,101 @@ async fn envoys_client_gets_the_example_domain_on_redis() {
     // The buckets are in Redis.
     let keys = redis.cli(&["DBSIZE"]).unwrap();
     assert!(keys.trim().parse::<u64>().unwrap() >= 4, "{keys}");
+}
+
+/// A call is one trace under Envoy's span: the RPC's server span, a
+/// check span per descriptor under it, each check's Redis call under that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_is_one_trace_under_envoys_span() {
+    const TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+    const ENVOYS_SPAN: &str = "00f067aa0ba902b7";
+    let redis = RedisServer::start().unwrap();
+    let receiver = testkit::OtlpReceiver::start().await.unwrap();
+    let (_service, port) = start_with(
+        &[
+            "--backend",
+            "lua",
+            "--redis-url",
+            &redis.url(),
+            "--key-secret",
+            "rls-test-secret-0123456789",
+            // About spans, not latency: no deadline misses on a busy machine.
+            "--failure-deadline",
+            "2s",
+            "--redis-response-timeout",
+            "2s",
+        ],
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", &receiver.grpc),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ("RL_TRACE_BATCH_DELAY", "100ms"),
+        ],
+    );
+    let mut c = client(port).await;
+    let mut call = tonic::Request::new(request(
+        "demo",
+        vec![
+            descriptor(&[("api_key", "traced-a")], None),
+            descriptor(&[("api_key", "traced-b")], None),
+        ],
+        0,
+    ));
+    call.metadata_mut().insert(
+        "traceparent",
+        format!("00-{TRACE}-{ENVOYS_SPAN}-01").parse().unwrap(),
+    );
+    let answer = c.should_rate_limit(call).await.unwrap().into_inner();
+    assert_eq!(answer.overall_code, Code::Ok as i32);
+    let spans = receiver
+        .trace(TRACE, 5, std::time::Duration::from_secs(10))
+        .await
+        .unwrap();
+    fn named<'a>(
+        spans: &'a [testkit::ReceivedSpan],
+        name: &'a str,
+    ) -> impl Iterator<Item = &'a testkit::ReceivedSpan> {
+        spans.iter().filter(move |s| s.name == name)
+    }
+    let rpc: Vec<_> = named(
+        &spans,
+        "envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+    )
+    .collect();
+    assert_eq!(rpc.len(), 1, "{spans:#?}");
+    let rpc = rpc[0];
+    assert_eq!((rpc.parent_span_id.as_str(), rpc.kind), (ENVOYS_SPAN, 2));
+    assert_eq!(
+        rpc.attributes.get("rpc.system").map(String::as_str),
+        Some("grpc")
+    );
+    assert_eq!(
+        rpc.attributes
+            .get("rpc.grpc.status_code")
+            .map(String::as_str),
+        Some("OK")
+    );
+    let checks: Vec<_> = named(&spans, "ratelimit.check").collect();
+    assert_eq!(checks.len(), 2, "{spans:#?}");
+    for check in &checks {
+        assert_eq!(check.parent_span_id, rpc.span_id);
+        assert_eq!(
+            check
+                .attributes
+                .get("ratelimit.key_kind")
+                .map(String::as_str),
+            Some("descriptor")
+        );
+        let calls: Vec<_> = named(&spans, "EVALSHA")
+            .filter(|s| s.parent_span_id == check.span_id)
+            .collect();
+        assert_eq!(calls.len(), 1, "{spans:#?}");
+    }
+    // Never a descriptor's value.
+    for span in &spans {
+        for value in span.attributes.values() {
+            assert!(!value.contains("traced-"), "{span:#?}");
+        }
+    }
 }
 
 /// The generated packages committed in src/rls/generated/, by file name,
