@@ -155,34 +155,51 @@ pub(super) fn drive(
     args: &HttpCostArgs,
 ) -> anyhow::Result<(f64, Vec<CpuTimes>, Tally)> {
     let connections = args.connections.max(1);
-    // The requests shared out, the first connections taking the rest.
-    let share = |i: usize, n: usize| n / connections + usize::from(i < n % connections);
-    let shares = (0..connections).map(|i| (share(i, args.warmup), share(i, args.requests)));
-    let cpu = || -> Vec<CpuTimes> {
-        pids.iter()
-            .map(|&p| {
-                process_times(p).unwrap_or(CpuTimes {
-                    user: f64::NAN,
-                    system: f64::NAN,
-                })
-            })
-            .collect()
-    };
+    let shares = (0..connections).map(|i| {
+        (
+            share(i, args.warmup, connections),
+            share(i, args.requests, connections),
+        )
+    });
+    let cpu = || cpu_times(pids);
     let (before, started, mut all) = match args.client {
         Client::Spin => spin(port, shares.collect(), cpu)?,
         Client::Threads => threads(port, shares.collect(), cpu)?,
     };
     let seconds = started.elapsed().as_secs_f64();
-    let used = cpu()
+    let used = cpu_since(pids, before);
+    all.latencies_us.sort_unstable();
+    Ok((seconds, used, all))
+}
+
+/// Connection `i`'s part of `n` requests over `connections`: shared out
+/// evenly, the first connections taking the rest.
+pub(super) fn share(i: usize, n: usize, connections: usize) -> usize {
+    n / connections + usize::from(i < n % connections)
+}
+
+/// `pids`' CPU times now (NaN for a process that cannot be read).
+pub(super) fn cpu_times(pids: &[u32]) -> Vec<CpuTimes> {
+    pids.iter()
+        .map(|&p| {
+            process_times(p).unwrap_or(CpuTimes {
+                user: f64::NAN,
+                system: f64::NAN,
+            })
+        })
+        .collect()
+}
+
+/// The CPU `pids` used since `before` ([`cpu_times`] of the same pids).
+pub(super) fn cpu_since(pids: &[u32], before: Vec<CpuTimes>) -> Vec<CpuTimes> {
+    cpu_times(pids)
         .into_iter()
         .zip(before)
         .map(|(after, b)| CpuTimes {
             user: after.user - b.user,
             system: after.system - b.system,
         })
-        .collect();
-    all.latencies_us.sort_unstable();
-    Ok((seconds, used, all))
+        .collect()
 }
 
 /// A connection of the spinning client.

@@ -5,8 +5,8 @@
 //! over HTTP, on the same server and policy.
 
 use super::HttpCostArgs;
-use super::drive::Tally;
-use crate::capacity::{CpuTimes, process_times};
+use super::drive::{Tally, cpu_since, cpu_times, share};
+use crate::capacity::CpuTimes;
 use anyhow::Context;
 use ratelimiter::rls::proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use ratelimiter::rls::proto::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
@@ -68,7 +68,6 @@ pub(super) fn drive(
         .build()?;
     runtime.block_on(async {
         let connections = args.connections.max(1);
-        let share = |i: usize, n: usize| n / connections + usize::from(i < n % connections);
         let mut clients = Vec::with_capacity(connections);
         for _ in 0..connections {
             let channel = Endpoint::from_shared(format!("http://127.0.0.1:{port}"))?
@@ -82,33 +81,16 @@ pub(super) fn drive(
         let phase = |total: usize, measured: bool| {
             let loops = clients.iter().enumerate().map(move |(i, c)| {
                 let mut c = c.clone();
-                async move { calls(&mut c, share(i, total), measured).await }
+                async move { calls(&mut c, share(i, total, connections), measured).await }
             });
             futures_util::future::join_all(loops)
         };
         phase(args.warmup, false).await;
-        let cpu = || -> Vec<CpuTimes> {
-            pids.iter()
-                .map(|&p| {
-                    process_times(p).unwrap_or(CpuTimes {
-                        user: f64::NAN,
-                        system: f64::NAN,
-                    })
-                })
-                .collect()
-        };
-        let before = cpu();
+        let before = cpu_times(pids);
         let started = Instant::now();
         let tallies = phase(args.requests, true).await;
         let seconds = started.elapsed().as_secs_f64();
-        let used = cpu()
-            .into_iter()
-            .zip(before)
-            .map(|(after, b)| CpuTimes {
-                user: after.user - b.user,
-                system: after.system - b.system,
-            })
-            .collect();
+        let used = cpu_since(pids, before);
         let mut all = Tally::default();
         for t in tallies {
             all.add(t);
