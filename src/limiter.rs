@@ -420,9 +420,12 @@ impl Limiter {
 
     /// Where the policy limiting `route` by `method` is, if one does.
     fn position(&self, route: &str, method: &Method) -> Option<usize> {
-        self.policies
-            .position(route, method)
-            .filter(|&i| !self.policies.get(i).is_unlimited())
+        self.limited(self.policies.position(route, method))
+    }
+
+    /// `found`, a policy's position, unless that policy is unlimited.
+    fn limited(&self, found: Option<usize>) -> Option<usize> {
+        found.filter(|&i| !self.policies.get(i).is_unlimited())
     }
 
     /// Decide a request to `route` (a route template) by `method`.
@@ -474,10 +477,7 @@ impl Limiter {
     /// or an unlimited policy applies.
     pub async fn check_descriptor(&self, descriptor: DescriptorId, cost: Option<u64>) -> Outcome {
         let entries = descriptor.entries.iter().map(|(k, v)| (&**k, &**v));
-        let Some(position) = self
-            .descriptors
-            .find(&descriptor.domain, entries)
-            .filter(|&i| !self.policies.get(i).is_unlimited())
+        let Some(position) = self.limited(self.descriptors.find(&descriptor.domain, entries))
         else {
             return Outcome::Unlimited;
         };

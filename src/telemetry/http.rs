@@ -175,10 +175,7 @@ pub fn server_span(method: &'static str, headers: &HeaderMap) -> Span {
         "http.request.header.x-request-id" = tracing::field::Empty,
     );
     if !span.is_disabled() {
-        let parent = opentelemetry::global::get_text_map_propagator(|propagator| {
-            propagator.extract(&HeaderExtractor(headers))
-        });
-        let _ = span.set_parent(parent);
+        follow_caller(&span, headers);
         // The proxy's request id (nginx's, also in its access log): a trace
         // the service started is found from a log line by it.
         if let Some(id) = headers.get("x-request-id").and_then(|v| v.to_str().ok()) {
@@ -203,12 +200,18 @@ pub fn rpc_span(service: &'static str, method: &'static str, metadata: &HeaderMa
         rpc.grpc.status_code = tracing::field::Empty,
     );
     if !span.is_disabled() {
-        let parent = opentelemetry::global::get_text_map_propagator(|propagator| {
-            propagator.extract(&HeaderExtractor(metadata))
-        });
-        let _ = span.set_parent(parent);
+        follow_caller(&span, metadata);
     }
     span
+}
+
+/// Makes `span` a child of the caller's, if `headers` carry a trace
+/// context (W3C `traceparent`).
+fn follow_caller(span: &Span, headers: &HeaderMap) {
+    let parent = opentelemetry::global::get_text_map_propagator(|propagator| {
+        propagator.extract(&HeaderExtractor(headers))
+    });
+    let _ = span.set_parent(parent);
 }
 
 /// Names the server span by its route and records the response on it.
