@@ -567,11 +567,9 @@ fn only_routes_a_policy_limits_are_decided() {
 }
 
 /// The request stays in the connection's future and the steps below
-/// borrow it. Held by value at each step, as before, it made the answer's
-/// future 2 000 bytes (1 104 now, rustc 1.95, in the test profile as in
-/// release; 1 040 before the request's deadline became an instant and
-/// the check's answer got its onlooker slot), all of it copied into place
-/// on every request; one step holding it again would add its 240.
+/// borrow it: the whole future is copied into place on every request, and
+/// a step that held the request by value would add the request's size to
+/// it. The ceiling leaves room for the compiler's layout, not for a copy.
 #[test]
 fn the_answer_future_borrows_the_request() {
     let app = example_app();

@@ -182,8 +182,9 @@ where
 /// idle worker is woken to share the queue, a futex wake and a worker that
 /// finds nothing and parks again, per call. So the driver trusts the sign
 /// only while yielding gathers commands, and otherwise one time in 64
-/// (`src/store/redis/pipe/gather.rs`): at most 3 parks above the control
-/// here, idle or beside three CPU hogs. Taking it every time cost 17-18.
+/// (`src/store/redis/pipe/gather.rs`), which keeps the parks near the
+/// control's where taking it every time would park a worker per call
+/// (the counts are in docs/performance.md, "When the driver writes").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_queued_alone_wakes_no_idle_worker() {
     const CALLS: u64 = 20;
@@ -218,10 +219,10 @@ async fn a_call_queued_alone_wakes_no_idle_worker() {
 /// just woken and may call again. In a service they seldom do (a request
 /// makes one check, then answers its client), so at a light load that
 /// sign is as wrong as the other: pairs of calls 2 ms apart, each pair's
-/// replies in one read. Trusted every time, as before, it cost a wasted
-/// yield and an idle worker's wake-up a pair: 37-59 parks above the
-/// control here, idle or beside three CPU hogs. Trusted while yields
-/// gather, -6 to +11, the control's own spread.
+/// replies in one read. Trusted every time, it would cost a wasted yield
+/// and an idle worker's wake-up a pair; trusted only while yields gather,
+/// the parks stay within the control's own spread (the counts are in
+/// docs/performance.md, "When the driver writes").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_after_a_read_that_answered_two_wake_no_idle_worker() {
     const PAIRS: u64 = 40;
