@@ -1,6 +1,6 @@
 //! The failure policy's logic, against a store that can be switched down,
 //! hung or restarted empty. (Real Redis faults, with real processes, are in
-//! `cargo run -p loadtest -- outage`, asserted by `loadtest/tests/commands.rs`,
+//! `cargo run -p loadtest -- outage`, asserted by `loadtest/tests/commands/faults.rs`,
 //! and start-up without Redis in `tests/process.rs`.)
 
 use super::*;

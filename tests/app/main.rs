@@ -1,19 +1,22 @@
-//! `app()` with `oneshot`: the contract without a socket.
+//! `app()` with `oneshot`: the contract without a socket. The failure
+//! modes on a broken store are in `failure_modes.rs`, the request timer
+//! against the store's own bound in `timeouts.rs`.
+
+mod failure_modes;
+mod timeouts;
 
 use axum::body::Body;
 use axum::extract::ConnectInfo;
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
-use ratelimiter::algorithm::CostExceedsBurst;
 use ratelimiter::api::app;
 use ratelimiter::clock::ManualClock;
 use ratelimiter::config::Config;
 use ratelimiter::middleware::Front;
-use ratelimiter::server::{Stack, in_process_stack, mitigated, shared_stack, state_with_stack};
-use ratelimiter::store::{BoxFuture, Check, CheckFuture, MemoryStore, Store, StoreError};
+use ratelimiter::server::{Stack, in_process_stack, state_with_stack};
+use ratelimiter::store::MemoryStore;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 use tower::ServiceExt;
 
 const T0: u64 = 1_800_000_000_000_000;
@@ -282,152 +285,6 @@ async fn a_server_wired_without_peer_addresses_fails_loudly_not_open() {
     assert!(!body.contains("peer"), "internal detail leaked: {body}");
 }
 
-/// A store whose Redis refuses every connection, or (`config_error`) that
-/// refuses the request itself.
-#[derive(Debug)]
-struct BrokenStore {
-    config_error: bool,
-}
-
-fn refused() -> StoreError {
-    StoreError::Redis(redis::RedisError::from(std::io::Error::from(
-        std::io::ErrorKind::ConnectionRefused,
-    )))
-}
-
-impl Store for BrokenStore {
-    fn check(&self, check: Check) -> CheckFuture<'_> {
-        let error = if self.config_error {
-            CostExceedsBurst {
-                cost: check.cost,
-                burst: check.limit.burst(),
-            }
-            .into()
-        } else {
-            refused()
-        };
-        CheckFuture::ready(Err(error))
-    }
-
-    fn backend(&self) -> &'static str {
-        "broken"
-    }
-
-    fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
-        Box::pin(std::future::ready(Err(refused())))
-    }
-}
-
-/// The app with the stack `server.rs` builds around a shared store, on a
-/// broken one.
-fn broken_app(toml: &str, config_error: bool) -> Front {
-    app_on(toml, |config| {
-        shared_stack(BrokenStore { config_error }, config)
-    })
-}
-
-#[tokio::test]
-async fn failing_closed_refuses_with_503_and_retry_after_not_429() {
-    let app = broken_app("[failure]\nmode = \"closed\"\n", false);
-    let (status, h, body) = send(&app, request("GET", "/api/items", &[], None)).await;
-    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
-    let retry: u64 = h["retry-after"].to_str().unwrap().parse().unwrap();
-    assert!(retry >= 1);
-    assert_eq!(h["content-type"], "application/problem+json");
-    assert!(body.contains("limiter-unavailable"), "{body}");
-    assert!(
-        !body.contains("refused"),
-        "internal error text leaked: {body}"
-    );
-    let (_, _, metrics) = send(&app, request("GET", "/metrics", &[], None)).await;
-    let line = r#"ratelimit_decisions_total{policy="api",decision="unavailable",key_kind="ip",source="failclosed"}"#;
-    assert!(metrics.contains(line), "{line} missing");
-    // Readiness says so, and with `closed` that is a 503: this instance
-    // cannot serve limited routes.
-    let (status, _, body) = send(&app, request("GET", "/readyz", &[], None)).await;
-    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
-    assert!(body.contains("\"degraded\""), "{body}");
-    // Operations endpoints do not depend on the store.
-    let (status, _, _) = send(&app, request("GET", "/healthz", &[], None)).await;
-    assert_eq!(status, StatusCode::OK);
-}
-
-#[tokio::test]
-async fn failing_open_admits_without_made_up_rate_limit_headers() {
-    let app = broken_app("[failure]\nmode = \"open\"\n", false);
-    for _ in 0..150 {
-        let (status, h, _) = send(&app, request("GET", "/api/items", &[], None)).await;
-        assert_eq!(status, StatusCode::OK);
-        assert!(!h.contains_key("ratelimit-remaining"));
-        assert!(!h.contains_key("ratelimit"));
-    }
-    let (_, _, metrics) = send(&app, request("GET", "/metrics", &[], None)).await;
-    let line = r#"ratelimit_decisions_total{policy="api",decision="allowed",key_kind="ip",source="failopen"}"#;
-    assert!(metrics.contains(line), "{line} missing");
-}
-
-#[tokio::test]
-async fn failing_local_enforces_the_share_and_says_so_in_the_headers() {
-    let app = broken_app(
-        "[failure]\ninstances = 4\n[[policies]]\nname = \"api\"\nroute = \"/api/\"\nburst = 40\nrate = 4\n\n[[policies]]\nname = \"orders\"\nroute = \"/api/orders\"\nburst = 40\nrate = 4\nfailure_mode = \"closed\"\n",
-        false,
-    );
-    let mut admitted = 0;
-    for _ in 0..40 {
-        let (status, h, _) = send(&app, request("GET", "/api/items", &[], None)).await;
-        if status == StatusCode::OK {
-            admitted += 1;
-            assert_eq!(h["ratelimit-limit"], "10");
-        } else {
-            assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
-        }
-    }
-    assert_eq!(admitted, 10, "a quarter of the burst on this instance");
-    // Who decided, why Redis could not, and the breaker, on /metrics.
-    let (_, _, metrics) = send(&app, request("GET", "/metrics", &[], None)).await;
-    for line in [
-        r#"ratelimit_decisions_total{policy="api",decision="allowed",key_kind="ip",source="local"}"#,
-        r#"ratelimit_decisions_total{policy="api",decision="denied",key_kind="ip",source="local"}"#,
-        r#"ratelimit_store_errors_total{backend="broken",kind="connection_refused"}"#,
-        r#"ratelimit_breaker_transitions_total{node="broken",from="closed",to="open"}"#,
-    ] {
-        assert!(metrics.contains(line), "{line} missing from:\n{metrics}");
-    }
-    // Readiness: degraded but serving (200), so balancers keep the instance.
-    let (status, _, body) = send(&app, request("GET", "/readyz", &[], None)).await;
-    assert_eq!(status, StatusCode::OK);
-    assert!(
-        body.contains("\"degraded\"")
-            && body.contains("\"local\"")
-            && body.contains(r#""degraded_nodes":[{"breaker":"open","node":"broken"}]"#),
-        "{body}"
-    );
-    // A policy's own failure mode overrides the default.
-    let (status, _, _) = send(
-        &app,
-        request(
-            "POST",
-            "/api/orders",
-            &[],
-            Some(r#"{"item_id":1,"quantity":1}"#),
-        ),
-    )
-    .await;
-    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
-}
-
-#[tokio::test]
-async fn a_request_the_store_itself_refuses_is_a_500_not_admitted() {
-    let app = broken_app("", true);
-    let (status, h, body) = send(&app, request("GET", "/api/items", &[], None)).await;
-    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
-    assert_eq!(h["content-type"], "application/problem+json");
-    assert!(
-        !body.contains("burst"),
-        "internal error text leaked: {body}"
-    );
-}
-
 /// The in-process store runs the window algorithms too: a fixed window of
 /// 10 per 10 s, started at a window's start, answers 429 until its end.
 #[tokio::test]
@@ -580,116 +437,6 @@ fn the_answer_future_borrows_the_request() {
         size <= 1_200,
         "the answer's future is {size} bytes; see src/middleware/front.rs on what it holds"
     );
-}
-
-/// A store whose checks never answer: a hung network store, with nothing
-/// of its own to bound the wait.
-#[derive(Debug)]
-struct HungStore;
-
-impl Store for HungStore {
-    fn check(&self, _: Check) -> CheckFuture<'_> {
-        CheckFuture::waiting(std::future::pending())
-    }
-
-    fn backend(&self) -> &'static str {
-        "hung"
-    }
-}
-
-/// `app`'s status for `request`, and how long (on the test's clock, paused
-/// and advanced only when every task waits) it took; a request never
-/// answered fails the test instead of hanging it.
-async fn timed(app: &Front, request: Request<Body>) -> (StatusCode, Duration) {
-    let started = tokio::time::Instant::now();
-    let (status, _, body) = tokio::time::timeout(Duration::from_secs(3600), send(app, request))
-        .await
-        .expect("never answered: nothing cut the request");
-    if status == StatusCode::REQUEST_TIMEOUT {
-        assert!(body.contains("/problems/request-timeout"), "{body}");
-    }
-    (status, started.elapsed())
-}
-
-/// `took` is `at`, give or take the runtime's millisecond ticks.
-fn assert_took(took: Duration, at: Duration) {
-    assert!(
-        took >= at && took < at + Duration::from_millis(50),
-        "took {took:?}, not {at:?}"
-    );
-}
-
-/// The front spares a check its request timer only when the store stack
-/// bounds the check within the request timeout: each layer says how long
-/// it can wait, and a store that does not say is taken as unbounded.
-#[test]
-fn each_stack_says_how_long_a_check_can_wait() {
-    let config = Config::from_toml("[failure]\ndeadline = \"300ms\"\n").unwrap();
-    let memory = in_process_stack(MemoryStore::new(1000, 4));
-    assert_eq!(memory.store.longest_wait(), Some(Duration::ZERO));
-    assert_eq!(
-        mitigated(memory, &config).store.longest_wait(),
-        Some(Duration::ZERO)
-    );
-    let shared = shared_stack(HungStore, &config);
-    assert_eq!(
-        shared.store.longest_wait(),
-        Some(Duration::from_millis(300))
-    );
-    // A lease that cannot be had is followed by the request's own call.
-    assert_eq!(
-        mitigated(shared, &config).store.longest_wait(),
-        Some(Duration::from_millis(600))
-    );
-    assert_eq!(HungStore.longest_wait(), None);
-}
-
-/// A check nothing bounds is cut by the request timeout: 408, on time.
-#[tokio::test(start_paused = true)]
-async fn a_check_nothing_bounds_is_cut_at_the_request_timeout() {
-    let app = app_on("[http]\nrequest_timeout = \"2s\"\n", |_| Stack {
-        store: Arc::new(HungStore),
-        breaker: None,
-    });
-    let (status, took) = timed(&app, request("GET", "/api/items", &[], None)).await;
-    assert_eq!(status, StatusCode::REQUEST_TIMEOUT);
-    assert_took(took, Duration::from_secs(2));
-}
-
-/// A deadline no shorter than the request timeout does not stand in for
-/// it: the request is cut at its own timeout, not decided by the failure
-/// policy at the deadline.
-#[tokio::test(start_paused = true)]
-async fn a_deadline_past_the_request_timeout_does_not_replace_it() {
-    let toml = "[http]\nrequest_timeout = \"1s\"\n[failure]\ndeadline = \"5s\"\n";
-    let app = app_on(toml, |config| shared_stack(HungStore, config));
-    let (status, took) = timed(&app, request("GET", "/api/items", &[], None)).await;
-    assert_eq!(status, StatusCode::REQUEST_TIMEOUT);
-    assert_took(took, Duration::from_secs(1));
-}
-
-/// A check bounded within the request timeout runs without the request's
-/// timer (the store's deadline decides it), and the handler gets what it
-/// left: a body that stalls after a check that waited its whole deadline
-/// is cut at the request timeout from the start, not a deadline later.
-#[tokio::test(start_paused = true)]
-async fn a_bounded_check_leaves_the_handler_the_rest_of_the_request_timeout() {
-    let toml = "[http]\nrequest_timeout = \"1s\"\n[failure]\ndeadline = \"300ms\"\n";
-    let app = app_on(toml, |config| shared_stack(HungStore, config));
-    // The deadline decides (the local share admits), then the handler waits.
-    let (status, took) = timed(&app, request("GET", "/api/items", &[], None)).await;
-    assert_eq!(status, StatusCode::OK);
-    assert_took(took, Duration::from_millis(300));
-    let mut stalled = request("POST", "/api/orders", &[], None);
-    stalled
-        .headers_mut()
-        .insert("content-type", "application/json".parse().unwrap());
-    *stalled.body_mut() = Body::from_stream(futures_util::stream::pending::<
-        Result<bytes::Bytes, std::io::Error>,
-    >());
-    let (status, took) = timed(&app, stalled).await;
-    assert_eq!(status, StatusCode::REQUEST_TIMEOUT);
-    assert_took(took, Duration::from_secs(1));
 }
 
 /// A gateway's decision endpoint: the policy of the path in
