@@ -196,7 +196,11 @@ fn compose_nginx_prometheus_and_grafana_agree() {
             Some(period)
         );
         assert!((quota - cores * period).abs() < 1.0, "redis-{i}: {quota}");
+        // On one CPU, the one scripts/stack pins it to.
+        let cpu = ((i + 1) % 2).to_string();
+        assert_eq!(redis.get("cpuset").and_then(Value::as_str), Some(&*cpu));
     }
+    assert!(script.contains(r#"cap "$(pid "redis-$i")" "redis-$i" $(((i + 1) % 2))"#));
     // The instances: the cluster's nodes as the `ratelimiter` user, nginx
     // alone trusted, Jaeger.
     let api = environment(service(&compose, "api-1"));
