@@ -38,11 +38,11 @@ use std::time::Duration;
 /// instances.
 pub const DEFAULT_SURGE_RATE: u64 = 8000;
 /// The partner's pace, unless told: admitted (its limit is 10,000 a
-/// second), more than its one node serves on the 2-core VM (a node's calls
-/// cost it the most at low rates, where it idles between them), and little
-/// enough for three. A faster machine needs more: the phases table says
-/// whether the node reached its cap.
-pub const DEFAULT_PARTNER_RATE: u64 = 800;
+/// second), more than its one node serves beside the background traffic
+/// on the 2-core VM, and a third of it little enough that each node keeps
+/// room (runbooks/hot-key.md measures both). A faster machine needs more:
+/// the phases table says whether the node reached its cap.
+pub const DEFAULT_PARTNER_RATE: u64 = 650;
 
 /// `hotkey`'s own flags.
 #[derive(Debug, Args)]
@@ -51,7 +51,7 @@ pub struct HotkeyArgs {
     #[arg(long, value_enum, default_value_t = Cause::Tenant)]
     pub cause: Cause,
     /// The surge's pace, requests per second over all its users (it goes
-    /// slower only when its answers do) [default: 8000; partner: 800]
+    /// slower only when its answers do) [default: 8000; partner: 650]
     #[arg(long)]
     pub surge_rate: Option<u64>,
     /// Healthy traffic before the surge [default: 1m, or a third of -t]
