@@ -123,10 +123,17 @@ async fn scraped() -> Scraped {
         .expect("prometheus.yml scrapes the cgroup counters")
         .replace("172.28.0.11:6379", &format!("127.0.0.1:{}", redis.port));
     let relabel: String = relabel.lines().map(|l| format!("      {l}\n")).collect();
+    // The runbook links' base, as prometheus.yml takes it from the
+    // environment (RUNBOOK_BASE_URL, below).
+    let base = repo_config["global"]["external_labels"]["runbook_base_url"]
+        .as_str()
+        .expect("prometheus.yml names the runbooks' base")
+        .to_owned();
     std::fs::write(
         &prometheus_config,
         format!(
             "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n\
+             \x20 external_labels:\n    runbook_base_url: '{base}'\n\
              rule_files:\n  - {}\n\
              scrape_configs:\n\
              \x20 - job_name: ratelimiter\n    static_configs:\n      - targets: ['127.0.0.1:{api_port}']\n\
@@ -145,6 +152,10 @@ async fn scraped() -> Scraped {
                 dir.join("tsdb").display()
             ))
             .arg(format!("--web.listen-address=127.0.0.1:{prometheus_port}"))
+            // Prometheus 2 expands the environment in external labels only
+            // when asked (3 always does).
+            .arg("--enable-feature=expand-external-labels")
+            .env("RUNBOOK_BASE_URL", SERVED_RUNBOOKS)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -404,6 +415,35 @@ async fn a_killed_node_and_a_stopped_instance_fire_their_alerts() {
             .filter_map(|a| a["metric"]["alertname"].as_str().map(str::to_owned))
             .collect();
         if wanted.iter().all(|w| firing.contains(*w)) {
+            // Each links to its runbook section, absolutely, under the
+            // base this Prometheus was given.
+            let alerts: Value = reqwest::get(format!("{}/api/v1/alerts", stack.prometheus))
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            let link = |name: &str| {
+                alerts["data"]["alerts"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|a| a["labels"]["alertname"] == name)
+                    .and_then(|a| a["annotations"]["runbook_url"].as_str())
+                    .map(str::to_owned)
+            };
+            assert_eq!(
+                link("RedisNodeDown").as_deref(),
+                Some(&*format!(
+                    "{SERVED_RUNBOOKS}/runbooks/redis-down.md#redisnodedown"
+                ))
+            );
+            assert_eq!(
+                link("RateLimitInstanceDown").as_deref(),
+                Some(&*format!(
+                    "{SERVED_RUNBOOKS}/runbooks/availability.md#ratelimitinstancedown"
+                ))
+            );
             return;
         }
         tokio::time::sleep(Duration::from_secs(2)).await;

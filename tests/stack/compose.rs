@@ -52,7 +52,8 @@ fn nginx_accepts_the_rendered_template() {
         .replace(
             "${REPORTS_SOCKET}",
             &dir.join("reports.sock").display().to_string(),
-        );
+        )
+        .replace("${DOCS_ROOT}", env!("CARGO_MANIFEST_DIR"));
     assert!(!conf.contains("${"), "a template name left: {conf}");
     std::fs::write(dir.join("ratelimiter.conf"), &conf).unwrap();
     let main = format!(

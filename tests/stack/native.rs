@@ -281,6 +281,41 @@ async fn the_native_stack_runs_the_compose_topology_end_to_end() {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
 
+    // The alerts' runbook links point at the runbooks nginx serves.
+    let config: serde_json::Value = reqwest::get(format!(
+        "http://127.0.0.1:{}/api/v1/status/config",
+        stack.prometheus
+    ))
+    .await
+    .unwrap()
+    .json()
+    .await
+    .unwrap();
+    let base = stack.url("");
+    let base = base.trim_end_matches('/');
+    assert!(
+        config["data"]["yaml"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("runbook_base_url: {base}")),
+        "{config}"
+    );
+    let runbook = reqwest::get(format!("{base}/runbooks/hot-key.md"))
+        .await
+        .unwrap();
+    assert_eq!(runbook.status(), 200);
+    assert_eq!(
+        runbook.headers()["content-type"],
+        "text/plain; charset=utf-8"
+    );
+    assert!(
+        runbook
+            .text()
+            .await
+            .unwrap()
+            .starts_with("# Runbook: a hot key")
+    );
+
     // Down stops everything up started.
     let pids = stack.pids().unwrap();
     assert_eq!(
