@@ -1,6 +1,22 @@
-# The API service, for docker-compose.yml. Two stages: build from the
-# lockfile (dependencies in a layer of their own, rebuilt only when the
-# manifests change), then a small runtime image running as a non-root user.
+# The images docker-compose.yml builds. The API service, the last stage
+# (what `build: .` takes): built from the lockfile (dependencies in a
+# layer of their own, rebuilt only when the manifests change), then a small
+# runtime image running as a non-root user. And mtail, by its stage's name.
+
+# mtail, for compose's nginx-log-exporter: it counts the statuses nginx
+# sends it (nginx/nginx.mtail), Debian's package, as the native stack runs
+# it. Its socket is made writable by anyone (umask 0): nginx's workers run
+# as a user of their own image, and the socket's directory is shared with
+# nginx alone. A socket left by the last run is removed first: mtail
+# leaves it behind, and would not start on it.
+FROM debian:13.6-slim AS mtail
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends mtail \
+ && rm -rf /var/lib/apt/lists/* \
+ && install -d -o 65534 -g 65534 /run/mtail
+USER 65534
+ENTRYPOINT ["sh", "-c", "umask 0 && rm -f /run/mtail/nginx.sock && exec mtail \"$@\"", "mtail"]
 
 FROM rust:1.98.1-slim-trixie AS build
 WORKDIR /src

@@ -36,7 +36,7 @@ impl NativeStack {
         let dir = TempDir::new("stack")?;
         // One block, so no two components are handed the same port, and
         // the Redis nodes' cluster bus ports (+10000) free and in range.
-        let base = free_port_block(18, true)?;
+        let base = free_port_block(19, true)?;
         let (nginx, prometheus) = (base, base + 1);
         // Three instances, six Redis nodes and their six exporters.
         let (api, redis, exporters) = (base + 2, base + 5, base + 11);
@@ -51,6 +51,7 @@ impl NativeStack {
                 "STACK_CGROUP_EXPORTER_PORT".to_owned(),
                 (base + 17).to_string(),
             ),
+            ("STACK_MTAIL_PORT".to_owned(), (base + 18).to_string()),
             ("RATELIMITER_BIN".to_owned(), bin.display().to_string()),
         ];
         all.extend(env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));

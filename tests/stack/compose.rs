@@ -53,7 +53,11 @@ fn nginx_accepts_the_rendered_template() {
             "${REPORTS_SOCKET}",
             &dir.join("reports.sock").display().to_string(),
         )
-        .replace("${DOCS_ROOT}", env!("CARGO_MANIFEST_DIR"));
+        .replace("${DOCS_ROOT}", env!("CARGO_MANIFEST_DIR"))
+        .replace(
+            "${MTAIL_SOCKET}",
+            &dir.join("mtail.sock").display().to_string(),
+        );
     assert!(!conf.contains("${"), "a template name left: {conf}");
     std::fs::write(dir.join("ratelimiter.conf"), &conf).unwrap();
     let main = format!(
@@ -89,6 +93,7 @@ fn the_images_are_the_ones_the_docs_name() {
     }
     // Built here, not pulled.
     pinned.remove("ratelimiter:local");
+    pinned.remove("ratelimiter-mtail:local");
     let docs = read("docs/stack.md");
     let section = docs
         .split("## Images")
@@ -179,6 +184,22 @@ fn compose_nginx_prometheus_and_grafana_agree() {
     }
     listens.insert("localhost".into(), "9090".into());
     listens.insert("cadvisor".into(), "8080".into());
+    // mtail, counting nginx's statuses: its port and the socket it reads.
+    let mtail = service(&compose, "nginx-log-exporter");
+    let mtail_args: Vec<String> = mtail["command"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(text)
+        .collect();
+    let mtail_flag = |name: &str| -> String {
+        let prefix = format!("--{name}=");
+        mtail_args
+            .iter()
+            .find_map(|a| a.strip_prefix(&prefix).map(str::to_owned))
+            .unwrap_or_else(|| panic!("mtail has no {prefix}"))
+    };
+    listens.insert("nginx-log-exporter".into(), mtail_flag("port"));
     // Every Redis node is capped as scripts/stack caps it natively.
     let script = read("scripts/stack");
     let default = |name: &str| -> f64 {
@@ -264,6 +285,26 @@ fn compose_nginx_prometheus_and_grafana_agree() {
     );
     // nginx: its upstreams are the instances where they listen, its port published.
     let nginx_env = environment(nginx);
+    // It sends its statuses to the socket mtail reads, in a volume both
+    // mount at the socket's directory.
+    let socket = &nginx_env["MTAIL_SOCKET"];
+    assert_eq!(mtail_flag("logs"), format!("unixgram://{socket}"));
+    // mtail leaves its socket behind and will not start on it: its image
+    // removes that one first.
+    assert!(read("Dockerfile").contains(&format!("rm -f {socket}")));
+    let socket_dir = socket.rsplit_once('/').unwrap().0;
+    for name in ["nginx", "nginx-log-exporter"] {
+        let volumes: Vec<String> = service(&compose, name)["volumes"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .map(text)
+            .collect();
+        assert!(
+            volumes.contains(&format!("mtail-socket:{socket_dir}")),
+            "{name}: {volumes:?}"
+        );
+    }
     for i in 1..=3 {
         let upstream = &nginx_env[&format!("API_{i}")];
         let (host, port) = upstream.split_once(':').unwrap();

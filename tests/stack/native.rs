@@ -273,11 +273,38 @@ async fn the_native_stack_runs_the_compose_topology_end_to_end() {
             .cloned()
             .unwrap_or_default();
         let up = results.iter().filter(|r| r["value"][1] == "1").count();
-        // 3 instances, 6 exporters, the cgroup counters, Prometheus.
-        if results.len() == 11 && up == 11 {
+        // 3 instances, 6 exporters, the cgroup counters, mtail, Prometheus.
+        if results.len() == 12 && up == 12 {
             break;
         }
         assert!(Instant::now() < deadline, "targets not all up: {results:?}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+
+    // mtail counted the answers nginx sent it: one in 64 of the thousand
+    // and more above (none at all has a chance under 1e-6).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let response: serde_json::Value = reqwest::get(format!(
+            "http://127.0.0.1:{}/api/v1/query?query=nginx_http_responses_logged_total",
+            stack.prometheus
+        ))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+        let logged: f64 = response["data"]["result"][0]["value"][1]
+            .as_str()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0);
+        if logged > 0.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "mtail counted nothing: {response}"
+        );
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
 
@@ -320,8 +347,8 @@ async fn the_native_stack_runs_the_compose_topology_end_to_end() {
     let pids = stack.pids().unwrap();
     assert_eq!(
         pids.len(),
-        18,
-        "6 nodes, 6 exporters, the cgroup exporter, 3 instances, nginx, Prometheus"
+        19,
+        "6 nodes, 6 exporters, the cgroup exporter, 3 instances, mtail, nginx, Prometheus"
     );
     stack.down().unwrap();
     std::thread::sleep(Duration::from_millis(200));
