@@ -2,6 +2,7 @@
 # (what `build: .` takes): built from the lockfile (dependencies in a
 # layer of their own, rebuilt only when the manifests change), then a small
 # runtime image running as a non-root user. And mtail, by its stage's name.
+# Why each base image's tag: docs/stack.md, "Images".
 
 # mtail, for compose's nginx-log-exporter: it counts the statuses nginx
 # sends it (nginx/nginx.mtail), Debian's package, as the native stack runs
@@ -18,7 +19,7 @@ RUN apt-get update \
 USER 65534
 ENTRYPOINT ["sh", "-c", "umask 0 && rm -f /run/mtail/nginx.sock && exec mtail \"$@\"", "mtail"]
 
-FROM rust:1.98.1-slim-trixie AS build
+FROM rust:1.100.0-slim-trixie AS build
 WORKDIR /src
 # Dependencies first: the manifests and lockfile, with empty sources, so
 # this layer is cached until a dependency changes.
