@@ -436,6 +436,42 @@ async fn a_parent_based_ratio_follows_the_callers_decision() {
     );
 }
 
+/// `OTEL_SDK_DISABLED=true` turns tracing off, whatever else is set: with
+/// a collector named, every request sampled and a caller's sampled
+/// traceparent, not one span leaves the process. Without it, the same
+/// requests arrive (the control).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn otel_sdk_disabled_exports_nothing() {
+    let redis = RedisServer::start().unwrap();
+    for disabled in ["true", "false"] {
+        let receiver = OtlpReceiver::start().await.unwrap();
+        let (_child, port) = traced(
+            &redis,
+            &[
+                ("OTEL_SDK_DISABLED", disabled),
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", &receiver.grpc),
+                ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+                ("OTEL_TRACES_SAMPLER", "always_on"),
+            ],
+        );
+        let sampled = format!("00-{TRACE}-{CALLER_SPAN}-01");
+        for _ in 0..3 {
+            assert_eq!(get(port, None).await, 200);
+        }
+        assert_eq!(get(port, Some(&sampled)).await, 200);
+        if disabled == "false" {
+            receiver
+                .trace(TRACE, 3, Duration::from_secs(10))
+                .await
+                .unwrap();
+        } else {
+            // Several batch delays (100 ms) for anything that would go out.
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            assert!(receiver.spans().is_empty(), "{:#?}", receiver.spans());
+        }
+    }
+}
+
 /// A collector that is not there, or that never answers, costs requests
 /// nothing: every request is served, and the spans that cannot go out are
 /// dropped and counted instead of queueing without bound. Without an

@@ -235,7 +235,7 @@ async fn the_native_stack_runs_the_compose_topology_end_to_end() {
         request_ids.insert(id);
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let traced: Vec<String> = receiver
+    let traced: BTreeSet<String> = receiver
         .spans()
         .into_iter()
         .filter_map(|s| {
@@ -250,8 +250,10 @@ async fn the_native_stack_runs_the_compose_topology_end_to_end() {
         200,
         "nginx gives each request its own id"
     );
+    // About 10 of 200 at 0.05; outside 1..=30 has a chance under 1e-4
+    // (binomial), where tracing every request or none is certain to land.
     assert!(
-        !traced.is_empty() && traced.len() < 100,
+        (1..=30).contains(&traced.len()),
         "{} of 200 requests traced, at a ratio of 0.05",
         traced.len()
     );
