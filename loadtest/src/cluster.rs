@@ -22,6 +22,8 @@
 //! answers decided by the local share and from when to when, and admitted
 //! requests beside what one exact token bucket per key admits for the same
 //! requests at the same instants (a key handed a fresh burst shows there).
+//! And which nodes the instances' `/readyz` named degraded meanwhile
+//! (polled every 25 ms): the dead master, and no other.
 
 use anyhow::{Context, bail, ensure};
 use ratelimiter::algorithm::{Limit, token_bucket};
@@ -148,6 +150,11 @@ pub struct KeyFigures {
 pub struct ClusterResult {
     /// The fault.
     pub fault: String,
+    /// The node the fault took away (the killed master), if any.
+    pub fault_node: Option<String>,
+    /// Every node an instance's `/readyz` named degraded from the fault
+    /// to the end, in order.
+    pub degraded: Vec<String>,
     /// How long the fault took, ms (the kill to the replica serving, the
     /// first slot's move to the last's, the flush).
     pub fault_ms: f64,
@@ -223,6 +230,35 @@ fn key_slots(config: &Config, keys: usize) -> anyhow::Result<Vec<u16>> {
                 .slot()
         })
         .collect())
+}
+
+/// The nodes each instance's `/readyz` names degraded, polled until
+/// `stop`; each node once, in the order first named.
+async fn watch_readiness(
+    urls: Vec<String>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> Vec<String> {
+    let http = reqwest::Client::new();
+    let mut named: Vec<String> = Vec::new();
+    while !stop.load(Ordering::Relaxed) {
+        for url in &urls {
+            let Ok(response) = http.get(format!("{url}/readyz")).send().await else {
+                continue;
+            };
+            let Ok(body) = response.json::<serde_json::Value>().await else {
+                continue;
+            };
+            for node in body["degraded_nodes"].as_array().into_iter().flatten() {
+                if let Some(node) = node["node"].as_str()
+                    && !named.iter().any(|n| n == node)
+                {
+                    named.push(node.to_owned());
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    named
 }
 
 /// Injects `fault` into `cluster`; returns the keys it touches and how
@@ -382,6 +418,13 @@ async fn scenario(
         fault.as_str(),
         fault_at.as_secs_f64()
     );
+    let fault_node =
+        matches!(fault, Fault::Kill).then(|| format!("127.0.0.1:{}", cluster.nodes[0].port));
+    let watch_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = tokio::spawn(watch_readiness(
+        instances.urls.clone(),
+        Arc::clone(&watch_stop),
+    ));
     let slots_for_fault = slots.clone();
     let (touched, took, cluster) = tokio::task::spawn_blocking(move || {
         let (touched, took) = inject(fault, &mut cluster, &slots_for_fault)?;
@@ -390,7 +433,9 @@ async fn scenario(
     .await??;
     tokio::time::sleep(Duration::from_secs_f64(args.after)).await;
     stop.store(true, Ordering::Relaxed);
+    watch_stop.store(true, Ordering::Relaxed);
     let samples = load.await??;
+    let degraded = watcher.await?;
     drop(instances);
     drop(cluster);
 
@@ -406,6 +451,8 @@ async fn scenario(
     }
     Ok(ClusterResult {
         fault: fault.as_str().into(),
+        fault_node,
+        degraded,
         fault_ms: took.as_secs_f64() * 1000.0,
         touched: figures(&samples, &ideal, &touched, true, fault_at),
         untouched: figures(&samples, &ideal, &touched, false, fault_at),
@@ -452,13 +499,18 @@ fn markdown(args: &ClusterArgs, results: &[ClusterResult]) -> String {
         args.after,
         args.deadline,
     );
-    out.push_str("| fault | took, ms | keys | requests | errors | local answers | last local, ms after the fault | admitted | exact bucket | worst key over exact |\n");
-    out.push_str("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|\n");
+    out.push_str("| fault | took, ms | /readyz named degraded | keys | requests | errors | local answers | last local, ms after the fault | admitted | exact bucket | worst key over exact |\n");
+    out.push_str("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
     for r in results {
+        let degraded = if r.degraded.is_empty() {
+            "none".to_owned()
+        } else {
+            r.degraded.join(", ")
+        };
         for (who, f) in [("touched", &r.touched), ("others", &r.untouched)] {
             let _ = writeln!(
                 out,
-                "| {} | {:.0} | {who}: {} | {} | {} | {} | {:.0} | {} | {} | {} |",
+                "| {} | {:.0} | {degraded} | {who}: {} | {} | {} | {} | {:.0} | {} | {} | {} |",
                 r.fault,
                 r.fault_ms,
                 f.keys,
@@ -477,14 +529,16 @@ fn markdown(args: &ClusterArgs, results: &[ClusterResult]) -> String {
 
 fn csv(results: &[ClusterResult]) -> String {
     let mut out = String::from(
-        "fault,fault_ms,keys,touched_keys,touched_requests,touched_errors,touched_local,touched_local_until_ms,touched_admitted,touched_ideal,touched_worst_excess,other_keys,other_requests,other_errors,other_local,other_local_until_ms,other_admitted,other_ideal,other_worst_excess\n",
+        "fault,fault_ms,fault_node,readyz_degraded,keys,touched_keys,touched_requests,touched_errors,touched_local,touched_local_until_ms,touched_admitted,touched_ideal,touched_worst_excess,other_keys,other_requests,other_errors,other_local,other_local_until_ms,other_admitted,other_ideal,other_worst_excess\n",
     );
     for r in results {
         let _ = write!(
             out,
-            "{},{:.1},{}",
+            "{},{:.1},{},{},{}",
             r.fault,
             r.fault_ms,
+            r.fault_node.as_deref().unwrap_or(""),
+            r.degraded.join(";"),
             r.touched.keys + r.untouched.keys
         );
         for f in [&r.touched, &r.untouched] {

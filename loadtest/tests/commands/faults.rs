@@ -184,9 +184,18 @@ fn a_cluster_master_kill_a_reshard_and_a_flush_touch_only_their_own_keys() {
         }
         if fault != "kill" {
             exact(r, "touched");
+            // Redis decided every one: at most the one request a check's
+            // instant (taken a moment after it was sent) can tip.
+            assert!(num(r, "touched_worst_excess") <= 1.0, "{r:?}");
+            // A redirect or a reloaded script is no failure: /readyz
+            // named no node.
+            assert_eq!(r["readyz_degraded"], "", "{r:?}");
         }
     }
     let kill = &rows["kill"];
+    // /readyz named the dead master, and only it, while it was down.
+    assert!(!kill["fault_node"].is_empty(), "{kill:?}");
+    assert_eq!(kill["readyz_degraded"], kill["fault_node"], "{kill:?}");
     assert!(
         num(kill, "touched_local") >= 50.0,
         "the dead master's keys never fell back: {kill:?}"
