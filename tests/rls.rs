@@ -105,6 +105,32 @@ fn header<'a>(r: &'a RateLimitResponse, name: &str) -> Option<&'a str> {
         .map(|h| h.value.as_str())
 }
 
+/// 100 at once, then 10/s: the burst is admitted whole (refill only
+/// adds), then a refusal within what the elapsed time refilled. The
+/// refusal.
+async fn burst_then_over_limit(
+    c: &mut RateLimitServiceClient<Channel>,
+    entries: &[(&str, &str)],
+) -> DescriptorStatus {
+    let started = Instant::now();
+    let first = one(c, entries, None).await;
+    assert_eq!(first.code, Code::Ok as i32);
+    assert_eq!(first.limit_remaining, 99);
+    for _ in 1..100 {
+        assert_eq!(one(c, entries, None).await.code, Code::Ok as i32);
+    }
+    let mut admitted = 100u64;
+    loop {
+        let s = one(c, entries, None).await;
+        if s.code == Code::OverLimit as i32 {
+            return s;
+        }
+        admitted += 1;
+        let refilled = (started.elapsed().as_secs_f64() * 10.0).ceil() as u64;
+        assert!(admitted <= 100 + refilled, "{admitted} admitted");
+    }
+}
+
 /// What `config/rls.toml` promises, asked as Envoy asks. `tag` keeps the
 /// runs' buckets apart on a shared store.
 async fn the_example_domain(port: u16, tag: &str) {
@@ -112,25 +138,7 @@ async fn the_example_domain(port: u16, tag: &str) {
     let key = format!("{tag}-burst");
     let api_key = [("api_key", key.as_str())];
 
-    // 100 at once, then 10/s: the burst is admitted whole (refill only
-    // adds), then a refusal within what the elapsed time refilled.
-    let started = Instant::now();
-    let first = one(&mut c, &api_key, None).await;
-    assert_eq!(first.code, Code::Ok as i32);
-    assert_eq!(first.limit_remaining, 99);
-    for _ in 1..100 {
-        assert_eq!(one(&mut c, &api_key, None).await.code, Code::Ok as i32);
-    }
-    let mut admitted = 100u64;
-    let refused = loop {
-        let s = one(&mut c, &api_key, None).await;
-        if s.code == Code::OverLimit as i32 {
-            break s;
-        }
-        admitted += 1;
-        let refilled = (started.elapsed().as_secs_f64() * 10.0).ceil() as u64;
-        assert!(admitted <= 100 + refilled, "{admitted} admitted");
-    };
+    let refused = burst_then_over_limit(&mut c, &api_key).await;
     let limit = refused.current_limit.as_ref().expect("a limit");
     assert_eq!(
         (limit.name.as_str(), limit.requests_per_unit, limit.unit),
@@ -259,10 +267,10 @@ async fn bad_input(port: u16, tag: &str) {
         (
             request(
                 "demo",
-                vec![descriptor(&[("api_key", &"v".repeat(2000))], None)],
+                vec![descriptor(&[(&"k".repeat(2000), "v")], None)],
                 0,
             ),
-            "descriptors[0].entries[0].value is longer than 1024 bytes",
+            "descriptors[0].entries[0].key is longer than 1024 bytes",
         ),
     ];
     for (req, says) in cases {
@@ -270,7 +278,7 @@ async fn bad_input(port: u16, tag: &str) {
         assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
         assert!(status.message().contains(says), "{status:?}");
     }
-    // Above rls.max_message_bytes (64 KiB): refused before it is decoded.
+    // Above rls.max_message_bytes (4 MiB): refused before it is decoded.
     let entries: Vec<(&str, &str)> = vec![("api_key", "x"); 16];
     let big = request(
         "demo",
@@ -278,7 +286,7 @@ async fn bad_input(port: u16, tag: &str) {
             .map(|_| {
                 let mut d = descriptor(&entries, None);
                 for e in &mut d.entries {
-                    e.value = "v".repeat(100);
+                    e.value = "v".repeat(5000);
                 }
                 d
             })
@@ -315,6 +323,21 @@ async fn envoys_client_gets_the_example_domain_on_redis() {
     // The buckets are in Redis.
     let keys = redis.cli(&["DBSIZE"]).unwrap();
     assert!(keys.trim().parse::<u64>().unwrap() >= 4, "{keys}");
+}
+
+/// A value is what a client sent (Envoy's `request_headers` action copies
+/// a header): a long one is limited like any other, never refused, since
+/// Envoy lets a request the service refuses through unlimited. Each value
+/// is its own bucket, whatever its length.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_value_is_limited_like_any_other() {
+    let (_service, port) = start(&["--backend", "memory"]);
+    let mut c = client(port).await;
+    let long = "k".repeat(50_000);
+    burst_then_over_limit(&mut c, &[("api_key", long.as_str())]).await;
+    let other = format!("{}j", &long[1..]);
+    let s = one(&mut c, &[("api_key", other.as_str())], None).await;
+    assert_eq!((s.code, s.limit_remaining), (Code::Ok as i32, 99));
 }
 
 /// A call is one trace under Envoy's span: the RPC's server span, a

@@ -410,9 +410,10 @@ impl Default for Settings {
             }],
             rls: RlsFile {
                 listen: None,
-                // Envoy's filter sends a few descriptors of a few short
-                // entries: far below tonic's 4 MiB default.
-                max_message_bytes: 64 * 1024,
+                // Far above what Envoy forwards with its default header
+                // limit (60 KiB a descriptor that copies a header): a
+                // message refused here goes through Envoy unlimited.
+                max_message_bytes: 4 * 1024 * 1024,
                 domains: Vec::new(),
             },
         }

@@ -51,7 +51,7 @@
 //! | `hot_keys.addresses` | `--hot-keys-addresses` / `RL_HOT_KEYS_ADDRESSES` | `hash` (or `show`) |
 //! | `deny_cache.max_keys` | `--deny-cache-max-keys` / `RL_DENY_CACHE_MAX_KEYS` | `100000` |
 //! | `rls.listen` | `--rls-listen` / `RL_RLS_LISTEN` | none: Envoy's rate limit service is not served |
-//! | `rls.max_message_bytes` | `--rls-max-message-bytes` / `RL_RLS_MAX_MESSAGE_BYTES` | `65536` |
+//! | `rls.max_message_bytes` | `--rls-max-message-bytes` / `RL_RLS_MAX_MESSAGE_BYTES` | `4194304` |
 //! | `[[api_keys]]` | file only | none |
 //! | `[[policies]]` | file only | one policy `api`: route `/api/`, burst 100, 10/s |
 //! | `[[rls.domains]]` | file only | none |

@@ -317,7 +317,9 @@ impl HotKeys {
             (Identity::ApiKey(id), _) => id.to_string(),
             (Identity::Ip(ip), AddressDisplay::Show) => ip.to_string(),
             (Identity::Ip(_), AddressDisplay::Hash) => format!("h:{}", &key.to_string()[..8]),
-            (Identity::Descriptor(d), AddressDisplay::Show) => d.to_string(),
+            // A value is whatever a client sent, of any length: a label
+            // keeps its start.
+            (Identity::Descriptor(d), AddressDisplay::Show) => shortened(d.to_string()),
             // Descriptor values are often addresses or user ids (Envoy's
             // `remote_address`): the domain and keys, the values hashed.
             (Identity::Descriptor(d), AddressDisplay::Hash) => {
@@ -335,6 +337,22 @@ impl HotKeys {
     pub fn render(&self, now: Micros, owner: &dyn Fn(u16) -> Option<Arc<str>>) -> String {
         render(&self.top(now, owner))
     }
+}
+
+/// The longest descriptor shown in a label, in bytes.
+const MAX_SHOWN: usize = 128;
+
+/// `text` cut to [`MAX_SHOWN`] bytes (at a character), marked if cut.
+fn shortened(mut text: String) -> String {
+    if text.len() > MAX_SHOWN {
+        let mut end = MAX_SHOWN;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+        text.push('…');
+    }
+    text
 }
 
 /// A gauge of the hot keys: its name, help text and value.

@@ -230,6 +230,31 @@ fn addresses_show_or_hash_and_tenants_always_show() {
 }
 
 #[test]
+fn a_shown_descriptor_keeps_the_start_of_a_long_value() {
+    let policy: Arc<str> = Arc::from("per-api-key");
+    let long = "é".repeat(5_000);
+    let descriptor = crate::descriptors::DescriptorId {
+        domain: "demo".into(),
+        entries: vec![("api_key".into(), long.as_str().into())].into(),
+    };
+    let identity = Identity::Descriptor(Arc::new(descriptor));
+    let hot = detector(4, 2, AddressDisplay::Show);
+    hot.record(
+        T0,
+        BucketKey(9),
+        &policy,
+        KeyKind::Descriptor,
+        &identity,
+        true,
+    );
+    let top = hot.top(T0 + 10 * SECOND, &|_| None);
+    let shown = &top[0].display;
+    assert!(shown.starts_with("demo api_key=éé"), "{shown}");
+    assert!(shown.ends_with('…'), "{shown}");
+    assert!(shown.len() <= MAX_SHOWN + '…'.len_utf8(), "{}", shown.len());
+}
+
+#[test]
 fn only_the_top_n_are_exported_and_rendered_as_gauges() {
     let hot = detector(16, 2, AddressDisplay::Show);
     let policy: Arc<str> = Arc::from("api");

@@ -27,10 +27,16 @@
 //! never reaches a store: an empty domain, no descriptors, a descriptor
 //! without entries, an entry without a key, and more than
 //! [`MAX_DESCRIPTORS`] descriptors, [`MAX_ENTRIES`] entries or
-//! [`MAX_TEXT`] bytes in a key or value. A message above
+//! [`MAX_TEXT`] bytes in the domain or a key. A message above
 //! `rls.max_message_bytes` is refused by the gRPC layer (`OUT_OF_RANGE`).
-//! Envoy applies its own `failure_mode_deny` to an error status, so these
-//! are kept for requests no configuration of Envoy sends.
+//! Envoy applies its own `failure_mode_deny` to an error status, and with
+//! the usual `false` passes the request unlimited, so only what Envoy's
+//! configuration builds is refused: the domain, the keys and the number
+//! of descriptors. A value is what a client sent (a header, its address)
+//! and is never refused for its length: it is hashed into the bucket's key
+//! like any other, so a client cannot slip past its limit by sending a
+//! long one. The message bound's default (4 MiB) is far above what Envoy
+//! forwards with its default header limit (60 KiB).
 
 pub mod proto;
 
@@ -59,7 +65,8 @@ use tracing::Instrument;
 pub const MAX_DESCRIPTORS: usize = 64;
 /// Most entries one descriptor may carry.
 pub const MAX_ENTRIES: usize = 16;
-/// The longest domain, entry key or entry value, in bytes.
+/// The longest domain or entry key, in bytes (values are not bounded:
+/// see the module docs).
 pub const MAX_TEXT: usize = 1024;
 
 const SERVICE: &str = "envoy.service.ratelimit.v3.RateLimitService";
@@ -217,10 +224,6 @@ fn parse(request: RateLimitRequest) -> Result<Vec<(DescriptorId, Option<u64>)>, 
                 ));
             }
             text(&format!("descriptors[{i}].entries[{j}].key"), &entry.key)?;
-            text(
-                &format!("descriptors[{i}].entries[{j}].value"),
-                &entry.value,
-            )?;
             entries.push((entry.key.into_boxed_str(), entry.value.into_boxed_str()));
         }
         let id = DescriptorId {
