@@ -1,7 +1,7 @@
 //! Your own axum service, limited by this crate: the policy in TOML, the
-//! store stack the config names, and a middleware that asks the limiter
-//! about each request, then answers for it (429 problem+json with
-//! `Retry-After`) or lets it through with the `RateLimit` fields.
+//! store stack the config names, and the limiter's tower layer, which
+//! answers a refused request itself (429 problem+json with `Retry-After`)
+//! and lets an admitted one through with the `RateLimit` fields.
 //!
 //! The stack here is in memory; `backend = "lua"` and a `[redis]` table in
 //! the same TOML share every bucket through Redis, with the deadline, the
@@ -12,14 +12,11 @@
 //! (a burst of 3 a client: the fourth is `429 Too Many Requests`).
 
 use axum::Router;
-use axum::extract::{ConnectInfo, MatchedPath, Path, Request, State};
-use axum::middleware::{self, Next};
-use axum::response::Response;
+use axum::extract::Path;
 use axum::routing::get;
 use ratelimiter::clock::SystemClock;
 use ratelimiter::config::Config;
-use ratelimiter::limiter::Limiter;
-use ratelimiter::middleware::Verdict;
+use ratelimiter::middleware::RateLimitLayer;
 use ratelimiter::server::{build_limiter, build_stack};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -35,32 +32,6 @@ rate = 1
 per = "1s"
 "#;
 
-/// Decides each request under the policy of its route template.
-async fn limit(
-    State(limiter): State<Arc<Limiter>>,
-    ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    route: MatchedPath,
-    request: Request,
-    next: Next,
-) -> Response {
-    let outcome = limiter
-        .check(
-            route.as_str(),
-            request.method(),
-            request.headers(),
-            Some(peer.ip()),
-        )
-        .await;
-    match Verdict::from(outcome) {
-        Verdict::Answer(refusal) => refusal,
-        Verdict::Pass(fields) => {
-            let mut response = next.run(request).await;
-            fields.write_to(response.headers_mut());
-            response
-        }
-    }
-}
-
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let config = Config::from_toml(CONFIG)?;
@@ -71,11 +42,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             "/hello/{name}",
             get(|Path(name): Path<String>| async move { format!("hello, {name}\n") }),
         )
-        // A route layer runs after routing, so the template is known.
-        .route_layer(middleware::from_fn_with_state(limiter, limit));
+        // A route layer runs after routing, so the policy is chosen by the
+        // route's template.
+        .route_layer(RateLimitLayer::new(limiter));
     let address = std::env::args().nth(1).unwrap_or("127.0.0.1:3000".into());
     let listener = tokio::net::TcpListener::bind(&address).await?;
     println!("listening on {}", listener.local_addr()?);
+    // With the connection's address, for clients without an API key.
     axum::serve(
         listener,
         app.into_make_service_with_connect_info::<SocketAddr>(),

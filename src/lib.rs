@@ -40,42 +40,24 @@
 //!
 //! # In your own axum service
 //!
-//! The policy in TOML, the store stack it names, and a route layer that
-//! asks the [`limiter::Limiter`] about each request: a refusal
-//! ([`middleware::Verdict::Answer`]: 429 problem+json with `Retry-After`,
-//! or 503 where a policy fails closed) is answered in the handler's place,
-//! an admission gets the `RateLimit` fields. `backend = "lua"` and a
-//! `[redis]` table share the buckets through Redis, with the deadline, the
-//! breaker and the local share in front of it. `examples/axum_service.rs`
-//! is the same as a program to run.
+//! The policy in TOML, the store stack it names, and
+//! [`middleware::RateLimitLayer`] on your routes: each request is decided
+//! under the policy of its route template; a refusal (429 problem+json
+//! with `Retry-After`, or 503 where a policy fails closed) is answered in
+//! the handler's place, an admission gets the `RateLimit` fields.
+//! `backend = "lua"` and a `[redis]` table share the buckets through
+//! Redis, with the deadline, the breaker and the local share in front of
+//! it. Serve the app with `into_make_service_with_connect_info` so that
+//! clients without an API key are keyed by their address;
+//! `examples/axum_service.rs` is the same as a program to run.
 //!
-//! ```no_run
-//! use axum::extract::{ConnectInfo, MatchedPath, Request, State};
-//! use axum::middleware::{from_fn_with_state, Next};
-//! use axum::response::Response;
-//! use axum::{routing::get, Router};
-//! use ratelimiter::{clock::SystemClock, config::Config, limiter::Limiter};
-//! use ratelimiter::{middleware::Verdict, server};
+//! ```
+//! use axum::{Router, body::Body, extract::ConnectInfo, routing::get};
+//! use http::{Request, StatusCode};
+//! use ratelimiter::{clock::SystemClock, config::Config, server};
+//! use ratelimiter::middleware::RateLimitLayer;
 //! use std::{net::SocketAddr, sync::Arc};
-//!
-//! async fn limit(
-//!     State(limiter): State<Arc<Limiter>>,
-//!     ConnectInfo(peer): ConnectInfo<SocketAddr>,
-//!     route: MatchedPath,
-//!     request: Request,
-//!     next: Next,
-//! ) -> Response {
-//!     let (method, headers) = (request.method(), request.headers());
-//!     let outcome = limiter.check(route.as_str(), method, headers, Some(peer.ip())).await;
-//!     match Verdict::from(outcome) {
-//!         Verdict::Answer(refusal) => refusal,
-//!         Verdict::Pass(fields) => {
-//!             let mut response = next.run(request).await;
-//!             fields.write_to(response.headers_mut());
-//!             response
-//!         }
-//!     }
-//! }
+//! use tower::ServiceExt;
 //!
 //! # #[tokio::main]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -93,9 +75,21 @@
 //! let limiter = Arc::new(server::build_limiter(&config, stack.store, Arc::new(SystemClock)));
 //! let app = Router::new()
 //!     .route("/hello", get(|| async { "hello\n" }))
-//!     .route_layer(from_fn_with_state(limiter, limit));
-//! let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
-//! axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>()).await?;
+//!     .route_layer(RateLimitLayer::new(limiter));
+//!
+//! // What `axum::serve(listener, app.into_make_service_with_connect_info::
+//! // <SocketAddr>())` gives each request of one client: its address.
+//! let mut statuses = Vec::new();
+//! for _ in 0..4 {
+//!     let mut request = Request::get("/hello").body(Body::empty())?;
+//!     let client = SocketAddr::from(([203, 0, 113, 7], 50000));
+//!     request.extensions_mut().insert(ConnectInfo(client));
+//!     let response = app.clone().oneshot(request).await?;
+//!     statuses.push(response.status());
+//! }
+//! // A burst of 3, then refused until a token comes back.
+//! assert_eq!(statuses[..3], [StatusCode::OK; 3]);
+//! assert_eq!(statuses[3], StatusCode::TOO_MANY_REQUESTS);
 //! # Ok(())
 //! # }
 //! ```

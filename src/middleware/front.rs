@@ -47,8 +47,8 @@
 //! The server passes the peer address to [`Front::answer`] as an argument
 //! rather than as a `ConnectInfo` extension: the first extension a request
 //! gets allocates its type map (three allocations, freed with the
-//! request); with axum's `matched-path` feature off as well, the
-//! request's extensions stay empty.
+//! request); a route without parameters is dispatched without axum's
+//! router (see [`super::routes`]), so its request's extensions stay empty.
 
 use super::Verdict;
 use super::routes::{Peer, Route, Routes};

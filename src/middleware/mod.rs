@@ -13,12 +13,15 @@
 //!
 //! `front.rs` is the request's path, `routes.rs` the table, `response.rs`
 //! turns the limiter's [`Outcome`](crate::limiter::Outcome) into what the
-//! client sees.
+//! client sees. `layer.rs` is the same decision as a tower layer
+//! ([`RateLimitLayer`]) for your own service.
 
 mod front;
+mod layer;
 mod response;
 mod routes;
 
 pub use front::{Front, INSTANCE_ID_HEADER};
+pub use layer::{RateLimit, RateLimitLayer};
 pub use response::Verdict;
 pub use routes::{Peer, Route, RouteTable, Routes};

@@ -13,10 +13,12 @@
 //! and the router would match it again, look its endpoint up, and give the
 //! request its (empty) path parameters as an extension, which allocates
 //! the request's type map. Only the router can give a handler its path
-//! parameters, so a template with any goes through it. The router adds
-//! nothing else (its fallback answers paths no route matches), so a layer
-//! belongs on a route's [`MethodRouter`] (as the body limit on
-//! `/api/orders` is), never on the whole router.
+//! parameters, so a template with any goes through it, and gets the
+//! template as a `MatchedPath` beside them (axum's `matched-path`, which
+//! [`super::RateLimitLayer`] reads in other apps). The router adds nothing
+//! else (its fallback answers paths no route matches), so a layer belongs
+//! on a route's [`MethodRouter`] (as the body limit on `/api/orders` is),
+//! never on the whole router.
 
 use crate::telemetry::http::{Durations, MethodLabel};
 use axum::Router;
