@@ -1,4 +1,5 @@
-//! `redis-server` processes: standalone, or three masters made a cluster,
+//! `redis-server` processes: standalone, or three masters made a cluster
+//! (`RedisCluster::start_replicated` gives each a replica, for failover),
 //! over plain TCP or TLS only.
 
 use crate::cgroup::CpuLimit;

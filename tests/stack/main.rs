@@ -2,7 +2,8 @@
 //! `docker-compose config -q`, `nginx -t`, hadolint, and a cross-check that
 //! the compose file, nginx, Prometheus and Grafana provisioning agree. Then
 //! the same topology run natively (`scripts/stack`), end to end: nginx in
-//! front of three instances on a 3-node cluster, Prometheus scraping them.
+//! front of three instances on a cluster of three masters and three
+//! replicas, Prometheus scraping them.
 //!
 //! `compose.rs` holds the offline checks, `native.rs` the native stack.
 
