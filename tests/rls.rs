@@ -527,8 +527,18 @@ fn the_envoy_example_asks_what_the_example_config_answers() {
         .as_sequence()
         .unwrap();
     let mut reached = Vec::new();
+    let mut most_headers = 0;
     for route in routes {
-        for limit in route["route"]["rate_limits"].as_sequence().unwrap() {
+        let limits = route["route"]["rate_limits"].as_sequence().unwrap();
+        // The descriptors a request on this route brings that copy a
+        // header a client sent.
+        let headers = limits
+            .iter()
+            .flat_map(|l| l["actions"].as_sequence().unwrap())
+            .filter(|a| a.get("request_headers").is_some())
+            .count();
+        most_headers = most_headers.max(headers);
+        for limit in limits {
             let entries: Vec<(String, String)> = limit["actions"]
                 .as_sequence()
                 .unwrap()
@@ -563,4 +573,16 @@ fn the_envoy_example_asks_what_the_example_config_answers() {
     }
     reached.sort();
     assert_eq!(reached, ["expensive", "login", "per-api-key"]);
+    // A message the limiter refused for its size would go through Envoy
+    // unlimited (failure_mode_deny: false): what Envoy lets a client send
+    // in headers, copied into descriptors, fits well under the bound.
+    assert_eq!(filter["failure_mode_deny"], false);
+    let header_kb = listener["max_request_headers_kb"].as_u64().unwrap();
+    assert!(most_headers >= 1, "no descriptor copies a header");
+    let largest = header_kb * 1024 * most_headers as u64 + 64 * 1024;
+    assert!(
+        config.rls.max_message_bytes as u64 >= largest,
+        "{} bytes allowed, {largest} possible",
+        config.rls.max_message_bytes
+    );
 }
