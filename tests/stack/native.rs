@@ -309,6 +309,22 @@ async fn the_native_stack_runs_the_compose_topology_end_to_end() {
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    // The server errors' counter is there before the first error (it has
+    // no labels: a first burst of 5xx is a rise, not a new series).
+    let errors: serde_json::Value = reqwest::get(format!(
+        "http://127.0.0.1:{}/api/v1/query?query=nginx_http_server_errors_total",
+        stack.prometheus
+    ))
+    .await
+    .unwrap()
+    .json()
+    .await
+    .unwrap();
+    assert_eq!(
+        errors["data"]["result"].as_array().map(Vec::len),
+        Some(1),
+        "{errors}"
+    );
 
     // The alerts' runbook links point at the runbooks nginx serves.
     let config: serde_json::Value = reqwest::get(format!(
