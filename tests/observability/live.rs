@@ -334,7 +334,7 @@ async fn cluster_exporter_metrics() -> String {
 
 /// Every metric a panel or an alert names exists: defined in
 /// `src/metrics.rs`, or exported by redis_exporter (of a standalone node
-/// or a cluster's), or Prometheus's `up`.
+/// or a cluster's), counted by mtail's program, or Prometheus's `up`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_metric_the_dashboards_and_alerts_name_is_exported() {
     let stack = scraped().await;
@@ -354,6 +354,17 @@ async fn every_metric_the_dashboards_and_alerts_name_is_exported() {
         "the cgroup exporter serves the capped node: {}",
         stack.cgroup_metrics
     );
+    // mtail's counters, by the names its program declares.
+    let mtail_program = read("nginx/nginx.mtail");
+    let mtail: BTreeSet<&str> = mtail_program
+        .lines()
+        .filter_map(|l| l.strip_prefix("counter "))
+        .map(str::trim)
+        .collect();
+    assert!(
+        mtail.contains("nginx_http_server_errors_total"),
+        "{mtail:?}"
+    );
     // Recording rules, by the names they record.
     let recorded: BTreeSet<String> = read("prometheus/rules/ratelimiter.yml")
         .lines()
@@ -372,6 +383,7 @@ async fn every_metric_the_dashboards_and_alerts_name_is_exported() {
                 .unwrap_or(&name);
             if !(ours.contains(base)
                 || exporter.contains(name.as_str())
+                || mtail.contains(name.as_str())
                 || recorded.contains(&name)
                 || name == "up")
             {

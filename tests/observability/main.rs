@@ -267,6 +267,7 @@ fn metric_names(expr: &str) -> BTreeSet<String> {
                     || word.starts_with("redis_")
                     || word.starts_with("container_")
                     || word.starts_with("process_")
+                    || word.starts_with("nginx_")
                     || word.contains(':')
                     || word == "up")
                 && bytes.get(i) != Some(&'=')
