@@ -9,9 +9,12 @@
 //!   does not divide the period); `denied`, 16 drained keys (the read-only
 //!   path); `new keys`, a key never seen on every check, which expires about
 //!   a second later (keys appearing and expiring); and `mix`, 70/20/10 of
-//!   those. `token_bucket.lua` through [`LuaStore`] and the straightforward
-//!   script ([`STRAIGHTFORWARD_LUA`]) through the same client run the same
-//!   checks on an emptied server in turn.
+//!   those. `token_bucket.lua` and `gcra.lua` through [`LuaStore`], the
+//!   straightforward script ([`STRAIGHTFORWARD_LUA`]) and the empty one
+//!   (`return 1`, the floor of any EVALSHA: the same keys and arguments
+//!   through the same client, nothing done) run the same checks on an
+//!   emptied server in turn, so each script's cost is read against the
+//!   floor of the same run.
 //! - **Fixed now** (as redis-benchmark needs): 10 000 keys, one `now`, a
 //!   bucket so large every check is admitted. No refill, and after a key's
 //!   first write `token_bucket.lua` keeps its TTL (the flattering case for
@@ -364,8 +367,18 @@ async fn drive(
     finish(admin, name, per_second, Some(denied), cpu_before).await
 }
 
-/// One mix, through `token_bucket.lua` and then the straightforward script.
-async fn mix(url: &str, args: &LuaBenchArgs, pick: Pick) -> anyhow::Result<(Side, Side)> {
+/// One mix's sides: `token_bucket.lua`, `gcra.lua`, the straightforward
+/// script and the empty one.
+struct MixSides {
+    bucket: Side,
+    gcra: Side,
+    plain: Side,
+    floor: Side,
+}
+
+/// One mix, through `token_bucket.lua`, `gcra.lua`, the empty script and
+/// the straightforward one, in turn.
+async fn mix(url: &str, args: &LuaBenchArgs, pick: Pick) -> anyhow::Result<MixSides> {
     let settings = bench_settings(url, "mix:");
     let mut admin = RedisConnection::connect(&settings).await?;
     let connection = RedisConnection::connect(&settings).await?;
@@ -396,6 +409,63 @@ async fn mix(url: &str, args: &LuaBenchArgs, pick: Pick) -> anyhow::Result<(Side
     };
     let ours = drive(&mut admin, args, "token_bucket.lua (LuaStore)", ours).await?;
 
+    // GCRA on the same keys and limits: its script, loaded first.
+    let () = redis::cmd("FLUSHALL").query_async(&mut admin).await?;
+    store
+        .decide(&Check::new(
+            BucketKey(u128::MAX),
+            request(Path::Refill, 0, 1)
+                .1
+                .with_algorithm(Algorithm::Gcra),
+            1,
+            wall_us(),
+        ))
+        .await?;
+    let gcra: CheckFn = {
+        let store = Arc::clone(&store);
+        Arc::new(move |n| {
+            let store = Arc::clone(&store);
+            Box::pin(async move {
+                let (key, limit) = request(pick(n), n, keys);
+                let limit = limit.with_algorithm(Algorithm::Gcra);
+                let d = store.decide(&Check::new(key, limit, 1, wall_us())).await?;
+                Ok(d.allowed)
+            })
+        })
+    };
+    let gcra = drive(&mut admin, args, "gcra.lua (LuaStore)", gcra).await?;
+
+    // The floor: the empty script, the same key and arguments.
+    let () = redis::cmd("FLUSHALL").query_async(&mut admin).await?;
+    let empty = Arc::new(redis::Script::new(EMPTY_LUA));
+    let () = empty
+        .prepare_invoke()
+        .load_async(&mut admin)
+        .await
+        .map(|_: String| ())?;
+    let floor: CheckFn = {
+        let (store, connection) = (Arc::clone(&store), connection.clone());
+        Arc::new(move |n| {
+            let (store, empty, mut connection) =
+                (Arc::clone(&store), Arc::clone(&empty), connection.clone());
+            Box::pin(async move {
+                let (key, limit) = request(pick(n), n, keys);
+                let _: i64 = empty
+                    .key(store.key_name(Algorithm::TokenBucket, key))
+                    .arg(wall_us())
+                    .arg(1)
+                    .arg(limit.units_per_token())
+                    .arg(limit.rate_units_per_us())
+                    .arg(limit.capacity_units())
+                    .arg(margin)
+                    .invoke_async(&mut connection)
+                    .await?;
+                Ok(true)
+            })
+        })
+    };
+    let floor = drive(&mut admin, args, "empty script (`return 1`)", floor).await?;
+
     let () = redis::cmd("FLUSHALL").query_async(&mut admin).await?;
     let script = Arc::new(redis::Script::new(STRAIGHTFORWARD_LUA));
     let () = script
@@ -422,7 +492,12 @@ async fn mix(url: &str, args: &LuaBenchArgs, pick: Pick) -> anyhow::Result<(Side
         })
     });
     let plain = drive(&mut admin, args, "straightforward script", plain).await?;
-    Ok((ours, plain))
+    Ok(MixSides {
+        bucket: ours,
+        gcra,
+        plain,
+        floor,
+    })
 }
 
 /// Runs both parts and prints their tables.
@@ -443,11 +518,18 @@ pub async fn run(args: LuaBenchArgs) -> anyhow::Result<()> {
          | mix | script | checks/s | denied | EVALSHA usec/call (commandstats) | server CPU us/check (INFO cpu) |\n|---|---|---|---|---|---|\n",
         args.checks, args.depth
     );
-    let mut ratios = String::new();
+    let mut ratios = String::from(
+        "| mix | token_bucket.lua / straightforward: EVALSHA | server CPU | server CPU / the empty script's: token_bucket.lua | gcra.lua |\n|---|---|---|---|---|\n",
+    );
     for (name, pick) in MIXES {
         eprintln!("lua-bench: {name} ...");
-        let (ours, plain) = mix(&url, &args, pick).await?;
-        for side in [&ours, &plain] {
+        let MixSides {
+            bucket: ours,
+            gcra,
+            plain,
+            floor,
+        } = mix(&url, &args, pick).await?;
+        for side in [&ours, &gcra, &plain, &floor] {
             let _ = writeln!(
                 out,
                 "| {name} | {} | {:.0} | {} | {:.2} | {:.2} |",
@@ -460,9 +542,11 @@ pub async fn run(args: LuaBenchArgs) -> anyhow::Result<()> {
         }
         let _ = writeln!(
             ratios,
-            "{name}: token_bucket.lua / straightforward, EVALSHA usec {:.2}, server CPU {:.2}",
+            "| {name} | {:.2} | {:.2} | {:.2} | {:.2} |",
             ours.script_us / plain.script_us,
-            ours.server_cpu_us / plain.server_cpu_us
+            ours.server_cpu_us / plain.server_cpu_us,
+            ours.server_cpu_us / floor.server_cpu_us,
+            gcra.server_cpu_us / floor.server_cpu_us,
         );
     }
     out.push('\n');

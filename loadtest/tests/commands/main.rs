@@ -324,7 +324,7 @@ fn capacity_measures_every_variant_and_writes_its_results() {
 /// alike (the baseline is the same bucket, so the comparison is like for
 /// like), and each path does what it is named for.
 #[test]
-fn lua_bench_runs_both_scripts_on_every_path_and_they_agree() {
+fn lua_bench_runs_every_script_on_every_path_and_they_agree() {
     let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let out = Command::new(BIN)
         .args([
@@ -355,13 +355,35 @@ fn lua_bench_runs_both_scripts_on_every_path_and_they_agree() {
         assert!(usec > 0.0, "{line}");
         fields[4].parse().unwrap()
     };
-    for script in ["token_bucket.lua", "straightforward"] {
+    for script in ["token_bucket.lua", "gcra.lua", "straightforward"] {
         assert_eq!(denied("refill", script), 0, "refill is admitted");
         assert_eq!(denied("new keys", script), 0, "a new key is full");
         // 16 keys of 10 an hour: all but their first 10 are denied.
         assert_eq!(denied("denied", script), 2000 - 160, "{script}");
         // Of 2000, 400 go to the drained keys.
         assert_eq!(denied("mix 70/20/10", script), 400 - 160, "{script}");
+    }
+    // The floor of each mix, and each script read against it: a row of
+    // four ratios per mix.
+    let ratios = table
+        .split("| mix | token_bucket.lua / straightforward")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no ratios in:\n{table}"));
+    for mix in ["refill", "denied", "new keys", "mix 70/20/10"] {
+        assert_eq!(denied(mix, "empty script"), 0, "{mix}");
+        let row = ratios
+            .lines()
+            .find(|l| l.starts_with(&format!("| {mix} |")))
+            .unwrap_or_else(|| panic!("no {mix} ratios in:\n{ratios}"));
+        let values: Vec<f64> = row
+            .split('|')
+            .skip(2)
+            .filter_map(|f| f.trim().parse().ok())
+            .collect();
+        assert!(
+            values.len() == 4 && values.iter().all(|&v| v > 0.0),
+            "{row}"
+        );
     }
     assert!(table.contains("| redis-benchmark, straightforward script |"));
     assert!(table.contains("| redis-benchmark, token_bucket.lua |"));
