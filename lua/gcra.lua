@@ -1,9 +1,10 @@
 -- gcra.lua: GCRA, the token bucket as one instant (src/algorithm/gcra.rs).
 -- A differential test demands the same answers as the Rust core.
 --
--- KEYS[1]  the theoretical arrival time (TAT): two packed doubles, whole
---          microseconds and a remainder in units (TAT = tat + rem / rate),
---          or absent (a full bucket).
+-- KEYS[1]  the theoretical arrival time (TAT): three packed doubles, whole
+--          microseconds, a remainder in units (TAT = tat + rem / rate) and
+--          when the key expires; or absent (a full bucket). A value of two
+--          doubles (no expiry) is read as one whose TTL must be set.
 -- ARGV[1]  now, microseconds since the epoch, from the caller (never TIME)
 -- ARGV[2]  cost in tokens
 -- ARGV[3]  unit: units per token
@@ -13,8 +14,11 @@
 --
 -- Returns "<allowed 1|0> <remaining> <retry_after_us> <reset_us>".
 -- O(1): one GET, at most one SET or DEL; a denial writes nothing. The key
--- expires when the bucket is full again (plus the margin): an expired TAT
--- is exactly a full bucket. Integers stay at or below 2^53 (checked limits).
+-- outlives the instant its bucket is full again (plus the margin): an
+-- expired TAT is exactly a full bucket. As in token_bucket.lua, the value
+-- remembers its expiry and the TTL is pushed out only once fewer than half
+-- the margin would remain (a new TTL costs Redis more than the rest of the
+-- write). Integers stay at or below 2^53 (checked limits).
 
 local now = tonumber(ARGV[1])
 local cost = tonumber(ARGV[2])
@@ -24,8 +28,14 @@ local cap = tonumber(ARGV[5])
 local margin = tonumber(ARGV[6])
 
 local raw = redis.call('GET', KEYS[1])
-local tat, rem = now, 0
-if raw and #raw == 16 then tat, rem = struct.unpack('<d<d', raw) end
+local tat, rem, expires = now, 0, 0
+if raw then
+  if #raw == 24 then
+    tat, rem, expires = struct.unpack('<d<d<d', raw)
+  elseif #raw == 16 then
+    tat, rem = struct.unpack('<d<d', raw)
+  end
+end
 
 -- How far the stored TAT lies ahead of now, in units (0 if behind).
 local given_ahead = 0
@@ -80,8 +90,12 @@ end
 if allowed == 1 then
   if ahead == 0 then
     if raw then redis.call('DEL', KEYS[1]) end
+  elseif expires >= now + reset + margin / 2 then
+    redis.call('SET', KEYS[1], struct.pack('<d<d<d', mtat, mrem, expires), 'KEEPTTL')
   else
-    redis.call('SET', KEYS[1], struct.pack('<d<d', mtat, mrem), 'PX', math.ceil((reset + margin) / 1000))
+    -- PX in whole milliseconds, rounded up: never shorter than asked.
+    local ttl_ms = math.ceil((reset + margin) / 1000)
+    redis.call('SET', KEYS[1], struct.pack('<d<d<d', mtat, mrem, now + ttl_ms * 1000), 'PX', ttl_ms)
   end
 end
 

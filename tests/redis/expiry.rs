@@ -61,7 +61,8 @@ async fn keys_expire_when_full_again_and_denials_write_nothing() {
 
 /// Whatever path a write takes (a new TTL, or keeping the old one), the key
 /// outlives its bucket's refill by at least half the margin; and dense
-/// spending rarely pays for a new TTL.
+/// spending rarely pays for a new TTL. The token bucket and GCRA both keep
+/// their expiry as the value's third double.
 #[tokio::test]
 async fn key_expiry_always_covers_the_refill_and_is_rarely_reset() {
     let redis = RedisServer::start().unwrap();
@@ -69,44 +70,56 @@ async fn key_expiry_always_covers_the_refill_and_is_rarely_reset() {
     let store = lua(&settings).await;
     let mut conn = RedisConnection::connect(&settings).await.unwrap();
     let margin_us = settings.ttl_margin.as_micros() as u64;
-    let limit = Limit::per_second(1000, 100).unwrap();
-    let key = BucketKey(77);
-    let name = redis_key("test:", Algorithm::TokenBucket, key);
-    let mut now = T0;
-    let (mut writes, mut refreshes, mut last_pttl) = (0, 0, 0i64);
-    for i in 0..600u64 {
-        now += (i * 7919) % 9_000; // 0..9 ms apart: faster than the 100/s refill
-        let d = store.decide(&Check::new(key, limit, 1, now)).await.unwrap();
-        if !d.allowed {
-            continue;
+    for algorithm in [Algorithm::TokenBucket, Algorithm::Gcra] {
+        let limit = Limit::per_second(1000, 100)
+            .unwrap()
+            .with_algorithm(algorithm);
+        let key = BucketKey(77);
+        let name = redis_key("test:", algorithm, key);
+        let mut now = T0;
+        let (mut writes, mut refreshes, mut last_pttl) = (0, 0, 0i64);
+        for i in 0..600u64 {
+            now += (i * 7919) % 9_000; // 0..9 ms apart: faster than the 100/s refill
+            let d = store.decide(&Check::new(key, limit, 1, now)).await.unwrap();
+            if !d.allowed {
+                continue;
+            }
+            writes += 1;
+            let value: Vec<u8> = redis::cmd("GET")
+                .arg(&name)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            assert_eq!(value.len(), 24, "{algorithm:?}");
+            let expires = f64::from_le_bytes(value[16..24].try_into().unwrap()) as u64;
+            let reset = d.reset.as_micros() as u64;
+            assert!(
+                expires >= now + reset + margin_us / 2,
+                "{algorithm:?}: expires {expires} < now {now} + reset {reset} + margin/2"
+            );
+
+            let pttl: i64 = redis::cmd("PTTL")
+                .arg(&name)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            // The server's TTL, not only the remembered expiry, covers the
+            // refill (the test's `now` runs ahead of the server's clock).
+            assert!(
+                pttl as u64 * 1000 + 1000 >= reset + margin_us / 2,
+                "{algorithm:?}: pttl {pttl} ms < reset {reset} us + margin/2"
+            );
+            if pttl > last_pttl {
+                refreshes += 1;
+            }
+            last_pttl = pttl;
         }
-        writes += 1;
-        let value: Vec<u8> = redis::cmd("GET")
-            .arg(&name)
-            .query_async(&mut conn)
-            .await
-            .unwrap();
-        let expires = f64::from_le_bytes(value[16..24].try_into().unwrap()) as u64;
-        let reset = d.reset.as_micros() as u64;
+        assert!(writes > 100, "{algorithm:?}: only {writes} admitted");
         assert!(
-            expires >= now + reset + margin_us / 2,
-            "expires {expires} < now {now} + reset {reset} + margin/2"
+            refreshes * 4 < writes,
+            "{algorithm:?}: {refreshes} TTL resets for {writes} writes"
         );
-        let pttl: i64 = redis::cmd("PTTL")
-            .arg(&name)
-            .query_async(&mut conn)
-            .await
-            .unwrap();
-        if pttl > last_pttl {
-            refreshes += 1;
-        }
-        last_pttl = pttl;
     }
-    assert!(writes > 100, "only {writes} admitted");
-    assert!(
-        refreshes * 4 < writes,
-        "{refreshes} TTL resets for {writes} writes"
-    );
 }
 
 /// The stored bucket: (tokens, last, expires) as the script packs them.
