@@ -7,8 +7,11 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 const ROOT: &str = "/sys/fs/cgroup/cpu";
-/// The CFS period: quota is a share of it.
+/// The CFS period [`CpuLimit::new`] sets (the kernel's default, and what
+/// `cpus:` sets in compose): quota is a share of it.
 const PERIOD_US: u64 = 100_000;
+/// The least quota the kernel takes, per period.
+const MIN_QUOTA_US: u64 = 1_000;
 
 /// A cgroup with a CPU quota; removed on drop (its processes must be gone
 /// by then, or they stay in it and the directory stays).
@@ -19,8 +22,17 @@ pub struct CpuLimit {
 }
 
 impl CpuLimit {
-    /// A new cgroup allowing `cores` of CPU time (at least 1% of one core).
+    /// A new cgroup allowing `cores` of CPU time (at least 1% of one core),
+    /// in periods of 100 ms.
     pub fn new(tag: &str, cores: f64) -> anyhow::Result<Self> {
+        Self::with_period(tag, cores, PERIOD_US)
+    }
+
+    /// A new cgroup allowing `cores` of CPU time in periods of `period_us`
+    /// (as compose's `cpu_period` and `cpu_quota`, and `scripts/stack`,
+    /// cap the stacks' Redis nodes: 1 ms in every 20 ms); the quota is at
+    /// least the kernel's least, 1 ms.
+    pub fn with_period(tag: &str, cores: f64, period_us: u64) -> anyhow::Result<Self> {
         anyhow::ensure!(
             cores.is_finite() && cores > 0.0,
             "a CPU limit must be a positive number of cores"
@@ -34,8 +46,8 @@ impl CpuLimit {
                 dir.display()
             )
         })?;
-        let quota_us = ((cores * PERIOD_US as f64) as u64).max(PERIOD_US / 100);
-        std::fs::write(dir.join("cpu.cfs_period_us"), PERIOD_US.to_string())?;
+        let quota_us = ((cores * period_us as f64) as u64).max(MIN_QUOTA_US);
+        std::fs::write(dir.join("cpu.cfs_period_us"), period_us.to_string())?;
         std::fs::write(dir.join("cpu.cfs_quota_us"), quota_us.to_string())?;
         Ok(Self { dir, quota_us })
     }
@@ -57,7 +69,7 @@ impl CpuLimit {
         &self.dir
     }
 
-    /// The quota, in microseconds per 100 ms period.
+    /// The quota, in microseconds per period.
     pub fn quota_us(&self) -> u64 {
         self.quota_us
     }

@@ -253,8 +253,40 @@ impl RedisServer {
     /// Caps the server at `cores` of CPU time (0.25: a quarter of one core),
     /// through a cgroup of its own; a restart stays under it.
     pub fn limit_cpu(&mut self, cores: f64) -> anyhow::Result<()> {
-        let pid = self.pid().context("redis-server is not running")?;
         let limit = CpuLimit::new(&format!("redis-{}", self.port), cores)?;
+        self.cap(limit)
+    }
+
+    /// Caps the server at `cores` of CPU time in periods of `period_us`.
+    pub fn limit_cpu_with_period(&mut self, cores: f64, period_us: u64) -> anyhow::Result<()> {
+        let limit = CpuLimit::with_period(&format!("redis-{}", self.port), cores, period_us)?;
+        self.cap(limit)
+    }
+
+    /// Caps the server as the stacks cap a Redis node: `cores` of CPU time
+    /// in periods of `period_us`, every thread kept on CPU `cpu` (where a
+    /// capped process that moves between CPUs is held back in periods it
+    /// has barely used: docs/stack.md).
+    pub fn limit_cpu_pinned(
+        &mut self,
+        cores: f64,
+        period_us: u64,
+        cpu: usize,
+    ) -> anyhow::Result<()> {
+        self.limit_cpu_with_period(cores, period_us)?;
+        let pid = self.pid().context("redis-server is not running")?;
+        let status = std::process::Command::new("taskset")
+            .args(["-a", "-p", "-c", &cpu.to_string(), &pid.to_string()])
+            .stdout(std::process::Stdio::null())
+            .status()
+            .context("cannot run taskset (util-linux)")?;
+        anyhow::ensure!(status.success(), "taskset could not pin {pid} to CPU {cpu}");
+        Ok(())
+    }
+
+    /// Puts the server under `limit`.
+    fn cap(&mut self, limit: CpuLimit) -> anyhow::Result<()> {
+        let pid = self.pid().context("redis-server is not running")?;
         limit.add(pid)?;
         self.cpu_limit = Some(limit);
         Ok(())
