@@ -165,6 +165,10 @@ fn config(redis: &str) -> anyhow::Result<Config> {
 }
 
 pub async fn run(args: MitigationsArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        args.repeats >= 1 && args.concurrency >= 1,
+        "--repeats and --concurrency must be at least 1"
+    );
     let dir = args.results.clone().unwrap_or_else(|| {
         PathBuf::from("results").join(format!(
             "mitigations-{}",

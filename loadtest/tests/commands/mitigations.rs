@@ -71,3 +71,22 @@ fn mitigations_never_over_admit_and_sharding_spreads_the_calls() {
     );
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// No repeats or nothing in flight measures nothing: refused at once, by
+/// name, rather than a panic over an empty table.
+#[test]
+fn mitigations_refuses_zero_repeats_or_concurrency() {
+    for flag in ["--repeats", "--concurrency"] {
+        let out = Command::new(BIN)
+            .args(["mitigations", flag, "0", "--results"])
+            .arg(
+                std::env::temp_dir()
+                    .join(format!("loadtest-mitigations-zero-{}", std::process::id())),
+            )
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{flag} 0 was accepted");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("must be at least 1"), "{flag}: {stderr}");
+    }
+}
