@@ -31,16 +31,14 @@ fn kernel_port() -> anyhow::Result<u16> {
         .port())
 }
 
-/// A free TCP port on 127.0.0.1: free when asked, and never returned
-/// twice by this process (so two tests cannot be given the same one).
+/// A free TCP port on 127.0.0.1: free when asked, never returned twice by
+/// this process (so two tests cannot be given the same one), and below the
+/// kernel's ephemeral range where there is room, for the reason
+/// [`free_port_block`] gives: a port the kernel just freed from that range
+/// can become the local port of another test's outgoing connection before
+/// the server binds it, and the server then fails to start.
 pub fn free_port() -> anyhow::Result<u16> {
-    for _ in 0..1000 {
-        let port = kernel_port()?;
-        if hand_out(std::iter::once(port)) {
-            return Ok(port);
-        }
-    }
-    bail!("no free port found that this process had not handed out already")
+    free_port_block(1, false)
 }
 
 /// The cluster bus of a Redis Cluster node listens this far above its port.
