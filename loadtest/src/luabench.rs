@@ -384,73 +384,117 @@ async fn mix(url: &str, args: &LuaBenchArgs, pick: Pick) -> anyhow::Result<MixSi
     let connection = RedisConnection::connect(&settings).await?;
     let store = Arc::new(LuaStore::new(connection.clone(), &settings));
     let margin = settings.ttl_margin.as_micros() as u64;
-    let keys = args.keys;
-
-    let () = redis::cmd("FLUSHALL").query_async(&mut admin).await?;
-    // Load the script before the stats are reset.
-    store
-        .decide(&Check::new(
-            BucketKey(u128::MAX),
-            request(Path::Refill, 0, 1).1,
-            1,
-            wall_us(),
-        ))
-        .await?;
-    let ours: CheckFn = {
-        let store = Arc::clone(&store);
-        Arc::new(move |n| {
-            let store = Arc::clone(&store);
-            Box::pin(async move {
-                let (key, limit) = request(pick(n), n, keys);
-                let d = store.decide(&Check::new(key, limit, 1, wall_us())).await?;
-                Ok(d.allowed)
-            })
-        })
+    let bench = Bench {
+        args,
+        pick,
+        keys: args.keys,
+        margin,
     };
-    let ours = drive(&mut admin, args, "token_bucket.lua (LuaStore)", ours).await?;
-
-    // GCRA on the same keys and limits: its script, loaded first.
-    let () = redis::cmd("FLUSHALL").query_async(&mut admin).await?;
-    store
-        .decide(&Check::new(
-            BucketKey(u128::MAX),
-            request(Path::Refill, 0, 1)
-                .1
-                .with_algorithm(Algorithm::Gcra),
-            1,
-            wall_us(),
-        ))
+    let ours = bench
+        .lua_store(
+            &mut admin,
+            &store,
+            Algorithm::TokenBucket,
+            "token_bucket.lua (LuaStore)",
+        )
         .await?;
-    let gcra: CheckFn = {
-        let store = Arc::clone(&store);
-        Arc::new(move |n| {
-            let store = Arc::clone(&store);
-            Box::pin(async move {
-                let (key, limit) = request(pick(n), n, keys);
-                let limit = limit.with_algorithm(Algorithm::Gcra);
-                let d = store.decide(&Check::new(key, limit, 1, wall_us())).await?;
-                Ok(d.allowed)
-            })
-        })
-    };
-    let gcra = drive(&mut admin, args, "gcra.lua (LuaStore)", gcra).await?;
-
+    let gcra = bench
+        .lua_store(&mut admin, &store, Algorithm::Gcra, "gcra.lua (LuaStore)")
+        .await?;
     // The floor: the empty script, the same key and arguments.
-    let () = redis::cmd("FLUSHALL").query_async(&mut admin).await?;
-    let empty = Arc::new(redis::Script::new(EMPTY_LUA));
-    let () = empty
-        .prepare_invoke()
-        .load_async(&mut admin)
-        .await
-        .map(|_: String| ())?;
-    let floor: CheckFn = {
-        let (store, connection) = (Arc::clone(&store), connection.clone());
-        Arc::new(move |n| {
-            let (store, empty, mut connection) =
-                (Arc::clone(&store), Arc::clone(&empty), connection.clone());
+    let floor = bench
+        .script(
+            &mut admin,
+            &store,
+            &connection,
+            EMPTY_LUA,
+            "empty script (`return 1`)",
+        )
+        .await?;
+    let plain = bench
+        .script(
+            &mut admin,
+            &store,
+            &connection,
+            STRAIGHTFORWARD_LUA,
+            "straightforward script",
+        )
+        .await?;
+    Ok(MixSides {
+        bucket: ours,
+        gcra,
+        plain,
+        floor,
+    })
+}
+
+/// What every side of one mix shares: the checks it picks and their
+/// arguments.
+struct Bench<'a> {
+    args: &'a LuaBenchArgs,
+    pick: Pick,
+    keys: u64,
+    margin: u64,
+}
+
+impl Bench<'_> {
+    /// One side through [`LuaStore`], the mix's limits under `algorithm`,
+    /// on an emptied server with the script loaded first.
+    async fn lua_store(
+        &self,
+        admin: &mut RedisConnection,
+        store: &Arc<LuaStore>,
+        algorithm: Algorithm,
+        name: &'static str,
+    ) -> anyhow::Result<Side> {
+        let () = redis::cmd("FLUSHALL").query_async(admin).await?;
+        // Load the script before the stats are reset.
+        let limit = request(Path::Refill, 0, 1).1.with_algorithm(algorithm);
+        store
+            .decide(&Check::new(BucketKey(u128::MAX), limit, 1, wall_us()))
+            .await?;
+        let (pick, keys) = (self.pick, self.keys);
+        let checks: CheckFn = {
+            let store = Arc::clone(store);
+            Arc::new(move |n| {
+                let store = Arc::clone(&store);
+                Box::pin(async move {
+                    let (key, limit) = request(pick(n), n, keys);
+                    let limit = limit.with_algorithm(algorithm);
+                    let d = store.decide(&Check::new(key, limit, 1, wall_us())).await?;
+                    Ok(d.allowed)
+                })
+            })
+        };
+        drive(admin, self.args, name, checks).await
+    }
+
+    /// One side through a script of `code` with the token bucket's key and
+    /// arguments, on an emptied server with the script loaded first. A reply
+    /// starting with 1 is an admission (the empty script's `1` too).
+    async fn script(
+        &self,
+        admin: &mut RedisConnection,
+        store: &Arc<LuaStore>,
+        connection: &RedisConnection,
+        code: &str,
+        name: &'static str,
+    ) -> anyhow::Result<Side> {
+        let () = redis::cmd("FLUSHALL").query_async(admin).await?;
+        let script = Arc::new(redis::Script::new(code));
+        let () = script
+            .prepare_invoke()
+            .load_async(admin)
+            .await
+            .map(|_: String| ())?;
+        let (pick, keys, margin) = (self.pick, self.keys, self.margin);
+        let (store, connection) = (Arc::clone(store), connection.clone());
+        let checks: CheckFn = Arc::new(move |n| {
+            let (store, script, mut connection) =
+                (Arc::clone(&store), Arc::clone(&script), connection.clone());
             Box::pin(async move {
                 let (key, limit) = request(pick(n), n, keys);
-                let _: i64 = empty
+                let reply: String = script
                     .key(store.key_name(Algorithm::TokenBucket, key))
                     .arg(wall_us())
                     .arg(1)
@@ -460,44 +504,11 @@ async fn mix(url: &str, args: &LuaBenchArgs, pick: Pick) -> anyhow::Result<MixSi
                     .arg(margin)
                     .invoke_async(&mut connection)
                     .await?;
-                Ok(true)
+                Ok(reply.starts_with('1'))
             })
-        })
-    };
-    let floor = drive(&mut admin, args, "empty script (`return 1`)", floor).await?;
-
-    let () = redis::cmd("FLUSHALL").query_async(&mut admin).await?;
-    let script = Arc::new(redis::Script::new(STRAIGHTFORWARD_LUA));
-    let () = script
-        .prepare_invoke()
-        .load_async(&mut admin)
-        .await
-        .map(|_: String| ())?;
-    let plain: CheckFn = Arc::new(move |n| {
-        let (store, script, mut connection) =
-            (Arc::clone(&store), Arc::clone(&script), connection.clone());
-        Box::pin(async move {
-            let (key, limit) = request(pick(n), n, keys);
-            let reply: String = script
-                .key(store.key_name(Algorithm::TokenBucket, key))
-                .arg(wall_us())
-                .arg(1)
-                .arg(limit.units_per_token())
-                .arg(limit.rate_units_per_us())
-                .arg(limit.capacity_units())
-                .arg(margin)
-                .invoke_async(&mut connection)
-                .await?;
-            Ok(reply.starts_with('1'))
-        })
-    });
-    let plain = drive(&mut admin, args, "straightforward script", plain).await?;
-    Ok(MixSides {
-        bucket: ours,
-        gcra,
-        plain,
-        floor,
-    })
+        });
+        drive(admin, self.args, name, checks).await
+    }
 }
 
 /// Runs both parts and prints their tables.
