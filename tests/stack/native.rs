@@ -28,6 +28,19 @@ fn running(pid: i32) -> bool {
 /// Admitted of `n` requests for one key from 32 clients through nginx,
 /// and the seconds it took. Tenant 3 has the policy's own limit (tenant
 /// 1 is the partner, with one of its own).
+/// The stack's Prometheus's answer to an instant `query` (the whole JSON).
+async fn prometheus(stack: &NativeStack, query: &str) -> serde_json::Value {
+    reqwest::get(format!(
+        "http://127.0.0.1:{}/api/v1/query?query={query}",
+        stack.prometheus
+    ))
+    .await
+    .unwrap()
+    .json()
+    .await
+    .unwrap()
+}
+
 async fn budget(stack: &NativeStack, n: usize) -> (usize, f64) {
     let started = Instant::now();
     let tally = hammer(&[stack.url("/api/items")], n, 32, "demo-key-03")
@@ -261,15 +274,7 @@ async fn the_native_stack_runs_the_compose_topology_end_to_end() {
     // Prometheus scrapes every target.
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let response: serde_json::Value = reqwest::get(format!(
-            "http://127.0.0.1:{}/api/v1/query?query=up",
-            stack.prometheus
-        ))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+        let response = prometheus(&stack, "up").await;
         let results = response["data"]["result"]
             .as_array()
             .cloned()
@@ -287,15 +292,7 @@ async fn the_native_stack_runs_the_compose_topology_end_to_end() {
     // and more above (none at all has a chance under 1e-6).
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let response: serde_json::Value = reqwest::get(format!(
-            "http://127.0.0.1:{}/api/v1/query?query=nginx_http_responses_logged_total",
-            stack.prometheus
-        ))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+        let response = prometheus(&stack, "nginx_http_responses_logged_total").await;
         let logged: f64 = response["data"]["result"][0]["value"][1]
             .as_str()
             .and_then(|v| v.parse().ok())
@@ -311,15 +308,7 @@ async fn the_native_stack_runs_the_compose_topology_end_to_end() {
     }
     // The server errors' counter is there before the first error (it has
     // no labels: a first burst of 5xx is a rise, not a new series).
-    let errors: serde_json::Value = reqwest::get(format!(
-        "http://127.0.0.1:{}/api/v1/query?query=nginx_http_server_errors_total",
-        stack.prometheus
-    ))
-    .await
-    .unwrap()
-    .json()
-    .await
-    .unwrap();
+    let errors = prometheus(&stack, "nginx_http_server_errors_total").await;
     assert_eq!(
         errors["data"]["result"].as_array().map(Vec::len),
         Some(1),
