@@ -16,12 +16,18 @@
 -- ARGV[7]  optional ceiling in units (at most capacity): after refill the
 --          bucket holds at most this many. Passed while a bucket is handed
 --          back from the local fallback, so Redis grants no fresh burst.
+--          With ARGV[8], the capacity when there is no ceiling.
+-- ARGV[8]  optional, a lease's take: once the request is admitted, take up
+--          to this many whole tokens more in the same step...
+-- ARGV[9]  ...but only if at most this many whole tokens remain after them
+--          (a lease from a nearly full bucket could not be held); else none.
 --
 -- Returns "<allowed 1|0> <remaining> <retry_after_us> <reset_us>", one
 -- string: Redis converts a returned Lua table to a reply at about twice the
 -- cost of a string. retry_after_us is the wait before another request of
 -- this cost is admitted (0 if one would be now), reset_us the wait until the
--- bucket is full again.
+-- bucket is full again. With ARGV[8], a fifth number: the tokens taken
+-- beyond the cost. Remaining and waits are those after the take.
 --
 -- Every integer formed here is at most 2^53 (capacity and rate are at most
 -- 2^52, checked by the service), so doubles hold them exactly. Divisions are
@@ -72,6 +78,24 @@ if tokens >= need then
   tokens = tokens - need
   allowed = 1
 end
+local remaining = 0
+if tokens >= unit then
+  remaining = math.floor(tokens / unit)
+  while remaining * unit > tokens do remaining = remaining - 1 end
+  while (remaining + 1) * unit <= tokens do remaining = remaining + 1 end
+end
+local most = tonumber(ARGV[8])
+local extra = 0
+if most and allowed == 1 then
+  extra = most
+  if remaining < extra then extra = remaining end
+  if extra > 0 and remaining - extra <= tonumber(ARGV[9]) then
+    tokens = tokens - extra * unit
+    remaining = remaining - extra
+  else
+    extra = 0
+  end
+end
 local skew = at - now
 
 -- Waits: ceil(deficit / rate) + skew. The helpers are inlined (a local
@@ -100,12 +124,6 @@ if retry > 0 then
 else
   retry = 0
 end
-local remaining = 0
-if tokens >= unit then
-  remaining = math.floor(tokens / unit)
-  while remaining * unit > tokens do remaining = remaining - 1 end
-  while (remaining + 1) * unit <= tokens do remaining = remaining + 1 end
-end
 
 if allowed == 1 then
   if reset == 0 then
@@ -123,4 +141,7 @@ if allowed == 1 then
   end
 end
 
+if most then
+  return string.format('%d %d %d %d %d', allowed, remaining, retry, reset, extra)
+end
 return string.format('%d %d %d %d', allowed, remaining, retry, reset)

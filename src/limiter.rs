@@ -685,6 +685,7 @@ mod tests {
                 source,
                 bounded: false,
                 shard: None,
+                extra: 0,
             });
             assert_eq!(SOURCES[source_index(&checked)], source.as_str());
         }

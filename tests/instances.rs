@@ -87,11 +87,11 @@ async fn three_lua_instances_on_a_redis_cluster_admit_exactly_the_budget() {
     assert_eq!(admitted(&fleet, 6 * BUDGET).await, BUDGET);
 }
 
-/// Token leases across real processes: each instance takes 10 tokens in
-/// one call and spends them locally; whatever the interleaving of 32
-/// clients over three instances, the fleet never admits more than the one
-/// bucket holds, it leaves at most each instance's unspent lease unused,
-/// and admissions are spent from leases.
+/// Token leases across real processes: each instance takes up to 10
+/// tokens with a request's call and spends them locally; whatever the
+/// interleaving of 32 clients over three instances, the fleet never admits
+/// more than the one bucket holds, it leaves at most each instance's
+/// unspent lease unused, and admissions are spent from leases.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_lua_instances_with_leases_never_admit_more_than_the_budget() {
     let redis = RedisServer::start().unwrap();

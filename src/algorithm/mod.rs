@@ -367,6 +367,27 @@ pub fn decide_in(
     slot.update(|state| decide_packed_other(limit, state, cost, now))
 }
 
+/// [`decide_in`] taking up to `take` whole tokens beyond the cost (a
+/// lease): the decision and the extra tokens granted. Only a token bucket
+/// grants any.
+#[inline]
+pub fn take_in(
+    slot: impl PackedSlot,
+    limit: &Limit,
+    cost: u64,
+    now: Micros,
+    ceiling: Option<u64>,
+    take: token_bucket::TakeUpTo,
+) -> (Decision, u64) {
+    if limit.algorithm() != Algorithm::TokenBucket {
+        return (decide_in(slot, limit, cost, now, ceiling), 0);
+    }
+    let ceiling = ceiling.unwrap_or(u64::MAX);
+    let (spent, extra) = slot
+        .update(|state| token_bucket::spend_packed_up_to(limit, state, cost, now, ceiling, take));
+    (spent.decision(limit, cost), extra)
+}
+
 /// [`decide_packed`] for the other algorithms, through [`State`] (the
 /// bucket too, if it ever came this way).
 #[inline(never)]

@@ -234,6 +234,92 @@ pub fn spend(
     (spent, state)
 }
 
+/// A take beyond an admitted request's cost, for a lease: as many whole
+/// tokens as the bucket still holds, at most `extra`, granted only if the
+/// bucket is then left with at most `leave` whole tokens (otherwise none).
+///
+/// Why the condition: a lease may be held only while the shared bucket
+/// stays below its burst (see `src/mitigation/leases.rs`), so tokens taken
+/// from a nearly full bucket could not be held and would be lost. Decided
+/// in the same atomic step as the request, a lease costs no call of its own
+/// and never fails for want of a full lease's tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TakeUpTo {
+    /// At most this many whole tokens beyond the request's cost.
+    pub extra: u64,
+    /// Granted only if at most this many whole tokens remain after it.
+    pub leave: u64,
+}
+
+impl TakeUpTo {
+    /// No take: the request's cost alone.
+    pub const NONE: Self = Self { extra: 0, leave: 0 };
+}
+
+/// [`spend`] with a [`TakeUpTo`]: the request's cost first, then, if it was
+/// admitted, the extra whole tokens the take grants (the third value).
+/// Remaining tokens and waits are reported for the bucket after both, with
+/// `retry_after` still for a request of `cost`.
+#[inline(always)]
+pub fn spend_up_to(
+    limit: &Limit,
+    state: Option<BucketState>,
+    cost: u64,
+    now: Micros,
+    ceiling: u64,
+    take: TakeUpTo,
+) -> (Spent, BucketState, u64) {
+    let (mut spent, mut next) = spend(limit, state, cost, now, ceiling);
+    // No division unless a take asks (the plain check's hot path).
+    if !spent.allowed || take.extra == 0 {
+        return (spent, next, 0);
+    }
+    let unit = limit.units_per_token();
+    let whole = spent.tokens / unit;
+    let extra = take.extra.min(whole);
+    if extra == 0 || whole - extra > take.leave {
+        return (spent, next, 0);
+    }
+    spent.tokens -= extra * unit;
+    next.tokens = spent.tokens;
+    (spent, next, extra)
+}
+
+/// [`check_within`] with a [`TakeUpTo`]: the decision, the state to store,
+/// and the extra tokens granted.
+pub fn check_up_to(
+    limit: &Limit,
+    state: Option<BucketState>,
+    cost: u64,
+    now: Micros,
+    ceiling: u64,
+    take: TakeUpTo,
+) -> Result<(Decision, BucketState, u64), CostExceedsBurst> {
+    limit.check_cost(cost)?;
+    let (spent, next, extra) = spend_up_to(limit, state, cost, now, ceiling, take);
+    Ok((spent.decision(limit, cost), next, extra))
+}
+
+/// [`spend_packed`] with a [`TakeUpTo`]; the second value is the extra
+/// tokens granted.
+#[inline(always)]
+pub fn spend_packed_up_to(
+    limit: &Limit,
+    state: &mut Option<Packed>,
+    cost: u64,
+    now: Micros,
+    ceiling: u64,
+    take: TakeUpTo,
+) -> (Spent, u64) {
+    let bucket = state.map(|p| BucketState::unpack(p, limit));
+    let (spent, next, extra) = spend_up_to(limit, bucket, cost, now, ceiling, take);
+    if spent.allowed {
+        // Full again (`reset` zero) is no entry.
+        *state = (spent.tokens < limit.capacity_units()).then(|| next.pack(limit));
+    }
+    (spent, extra)
+}
+
 /// [`decide_within`] on a packed state, as the in-process store keeps it:
 /// `state` (`None`: no entry, a full bucket) is left holding what to keep.
 /// A denial leaves it as it was; a bucket full again leaves no entry.
@@ -258,13 +344,7 @@ pub fn spend_packed(
     now: Micros,
     ceiling: u64,
 ) -> Spent {
-    let bucket = state.map(|p| BucketState::unpack(p, limit));
-    let (spent, next) = spend(limit, bucket, cost, now, ceiling);
-    if spent.allowed {
-        // Full again (`reset` zero) is no entry.
-        *state = (spent.tokens < limit.capacity_units()).then(|| next.pack(limit));
-    }
-    spent
+    spend_packed_up_to(limit, state, cost, now, ceiling, TakeUpTo::NONE).0
 }
 
 #[cfg(test)]

@@ -408,6 +408,7 @@ impl<S> Failover<S> {
                 source: Source::FailOpen,
                 bounded: false,
                 shard: None,
+                extra: 0,
             }),
             FailureMode::Closed => Err(StoreError::Unavailable {
                 retry_after: self.breaker.wait(node).max(Duration::from_secs(1)),

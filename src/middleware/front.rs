@@ -247,7 +247,7 @@ impl Front {
     ) -> impl Future<Output = Option<Response>> + 'a {
         async move {
             // A check the store stack bounds within the request timeout
-            // (twice the Redis deadline under leases) is not put under the
+            // (the Redis deadline) is not put under the
             // request's timer as well: one timer less for every check that
             // waits (docs/performance.md, "Redis checks over HTTP").
             let outcome = if bounded {

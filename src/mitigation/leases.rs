@@ -3,9 +3,12 @@
 //! A deny cache helps a key that is over its limit; a key admitted a
 //! thousand times a second still costs a thousand Redis calls. With
 //! `lease = N` on a policy, an instance that must ask the shared bucket
-//! takes N tokens in that one call (one check of cost N: the same script,
-//! the same atomic step) and spends them on the next requests for that key
-//! without asking again.
+//! asks, in that one call, for its request and for up to `N - cost` tokens
+//! more (a [`TakeUpTo`]: the same script, the same atomic step), and spends
+//! what it was granted on the next requests for that key without asking
+//! again. The take grants what the bucket has, at most that many: it never
+//! fails for want of a whole lease, so a lease never costs a call of its
+//! own.
 //!
 //! **Never more than one exact bucket.** Tokens are spent only after they
 //! left the shared bucket, so the fleet never spends more than it took.
@@ -17,20 +20,19 @@
 //! tokens the script reports) and the whole fleet holds at most `K × N`
 //! (`K` instances, `failure.instances`); together they stay under the
 //! burst `B` for `(B - (R + 1) - K × N)` tokens' worth of refill time, and
-//! the lease lives exactly that long (not at all if that is not positive:
-//! the request's own cost is spent and the rest is dropped). Held or
-//! shared, every token is then one the exact bucket would have had:
-//! `src/mitigation/tests/leases.rs` feeds everything a fleet admitted, in any
-//! interleaving, to one exact bucket, which must admit it all.
+//! the lease lives exactly that long. Held or shared, every token is then
+//! one the exact bucket would have had: `src/mitigation/tests/leases.rs`
+//! feeds everything a fleet admitted, in any interleaving, to one exact
+//! bucket, which must admit it all.
 //!
-//! **Only when it can be held.** A lease taken from a bucket that is
-//! nearly full could not be held, and its tokens would be lost. So the
-//! instance remembers each key's last answer (its remaining tokens and
-//! when) and takes a lease only when even the fullest the bucket can be
-//! by now, less the lease, leaves the lease room to live; otherwise it
-//! asks for the request alone, as without leases. A key checked now and
-//! then stays exactly as without leases; a key drained by heavy traffic
-//! gets leases.
+//! **Only when it can be held.** Tokens taken from a nearly full bucket
+//! could not be held, and would be lost. So the take asks the store to
+//! grant anything beyond the cost only if the bucket is left with at most
+//! `B - 2 - K × N` whole tokens, where the lease has room to live; else it
+//! grants the request alone, exactly as without leases. The store decides
+//! that on the bucket as it is, in the same step: nothing is guessed from
+//! an older answer, and a key checked now and then (a full bucket) is
+//! decided exactly as without leases.
 //!
 //! **Unused tokens expire**, they are never handed back: giving tokens
 //! back is a second call and a race with the refill. What expires is
@@ -39,22 +41,21 @@
 //!
 //! **When Redis goes away**, tokens already held are still spent until
 //! their lease expires: they were taken from the shared bucket, so this
-//! adds nothing to what the failure mode admits. Taking a lease never
-//! falls back: its check goes down with failure mode `closed`, and on any
-//! failure the request is asked alone, with its policy's own mode.
+//! adds nothing to what the failure mode admits. The take is the request's
+//! own check, with its policy's failure mode; a local share's answer
+//! grants nothing beyond the cost, so no lease is ever taken from it.
 //!
 //! Only the token bucket leases (validation refuses others), and only a
-//! request no dearer than the lease.
+//! request cheaper than the lease.
 
 use super::table::{KeyTable, micros};
+use crate::algorithm::token_bucket::TakeUpTo;
 use crate::algorithm::{Decision, Limit};
 use crate::clock::Micros;
 use crate::key::BucketKey;
-use crate::store::{Check, CheckFuture, Checked, FailureMode, Layer, Source, Store};
-use std::time::Duration;
+use crate::store::{Check, CheckFuture, Checked, Layer, Source, Store};
 
-/// What this instance knows of one key: tokens it holds (maybe none),
-/// and the shared bucket's last answer.
+/// What this instance holds of one key.
 #[derive(Debug, Clone, Copy)]
 struct Held {
     limit: Limit,
@@ -66,15 +67,12 @@ struct Held {
     shared: u64,
     /// When the shared bucket is full again, as of the lease.
     reset_at: Micros,
-    /// The shared bucket's remaining whole tokens at its last answer, and
-    /// when that was.
-    seen: (u64, Micros),
-    /// A lease take for this key is in flight: others go alone rather than
+    /// A take for this key is in flight: others go without one rather than
     /// take a second lease (which would replace, and so waste, the first).
     taking: bool,
 }
 
-/// Clears a key's `taking` when its lease take ends, however it ends.
+/// Clears a key's `taking` when its take ends, however it ends.
 struct Taking<'a, S> {
     leases: &'a Leases<S>,
     key: BucketKey,
@@ -109,6 +107,18 @@ pub fn lease_life(limit: &Limit, remaining: u64, lease: u64, instances: u64) -> 
     room.saturating_mul(limit.units_per_token()) / limit.rate_units_per_us().max(1)
 }
 
+/// The take for a request of `cost` leasing `lease` under `limit`: the
+/// rest of the lease, granted only while it can live (`lease_life` of the
+/// remaining tokens is positive); `None` when a lease never could.
+pub fn lease_take(limit: &Limit, cost: u64, lease: u64, instances: u64) -> Option<TakeUpTo> {
+    let extra = lease.checked_sub(cost).filter(|extra| *extra > 0)?;
+    // lease_life(R) > 0 exactly while R <= B - 2 - K x N.
+    let leave = limit
+        .burst()
+        .checked_sub(instances.checked_mul(lease)?.checked_add(2)?)?;
+    Some(TakeUpTo { extra, leave })
+}
+
 impl<S> Leases<S> {
     /// Wraps `inner` for a fleet of `instances`, holding leases for at most
     /// about `max_keys` keys.
@@ -135,81 +145,51 @@ impl<S> Leases<S> {
                 .shared
                 .saturating_add(held.tokens)
                 .min(check.limit.burst()),
-            retry_after: Duration::ZERO,
-            reset: Duration::from_micros(held.reset_at.saturating_sub(check.now)),
+            retry_after: std::time::Duration::ZERO,
+            reset: std::time::Duration::from_micros(held.reset_at.saturating_sub(check.now)),
         };
         Some(Checked::decided(decision, check.limit, Source::Lease))
     }
 
-    /// Whether a lease of `lease` taken now would surely be held: the
-    /// fullest the shared bucket can be by now (its last answer, refilled
-    /// since, nothing spent), less the lease, leaves it room to live.
-    /// If so, marks the key as taking one.
-    fn worth_a_lease(&self, check: &Check, lease: u64) -> bool {
+    /// Marks `check`'s key as taking a lease, unless a take is in flight
+    /// already or the table has no room; whether it did.
+    fn start_taking(&self, check: &Check) -> bool {
         let mut shard = self.held.shard(check.key);
-        let Some(held) = shard
-            .get_mut(&check.key)
-            .filter(|h| h.limit == check.limit && !h.taking)
-        else {
+        // What a full table forgets: keys neither holding nor taking.
+        if !self
+            .held
+            .room(&mut shard, check.key, |h| h.taking || h.until > check.now)
+        {
             return false;
-        };
-        let (remaining, at) = held.seen;
-        let limit = &check.limit;
-        let refilled = check
-            .now
-            .saturating_sub(at)
-            .saturating_mul(limit.rate_units_per_us())
-            .div_ceil(limit.units_per_token());
-        let fullest = remaining
-            .saturating_add(1)
-            .saturating_add(refilled)
-            .min(limit.burst());
-        let worth =
-            fullest >= lease && lease_life(limit, fullest - lease, lease, self.instances) > 0;
-        held.taking = worth;
-        worth
+        }
+        let held = shard.entry(check.key).or_insert(Held {
+            limit: check.limit,
+            tokens: 0,
+            until: 0,
+            shared: 0,
+            reset_at: 0,
+            taking: false,
+        });
+        !std::mem::replace(&mut held.taking, true)
     }
 
-    /// Remembers the store's answer to a leasing check at `check.now`, and
-    /// keeps `tokens` of a lease it granted; returns how many are kept (0:
-    /// not held, they are dropped).
-    fn learn(&self, check: &Check, lease: u64, tokens: u64, decision: &Decision) -> u64 {
-        let life = if tokens == 0 {
-            0
-        } else {
-            lease_life(&check.limit, decision.remaining, lease, self.instances)
-        };
-        let kept = if life == 0 { 0 } else { tokens };
-        let mut shard = self.held.shard(check.key);
-        // What a full table forgets: keys holding nothing, seen before the
-        // last refill could have filled them.
-        let refill = micros(check.limit.refill_time());
-        if !self.held.room(&mut shard, check.key, |h| {
-            h.until > check.now || h.seen.1.saturating_add(refill) > check.now
-        }) {
-            return 0;
+    /// Holds the `extra` tokens a take of `lease` was granted, as long as
+    /// the store's answer lets them live; returns how many are held.
+    fn hold(&self, check: &Check, lease: u64, extra: u64, decision: &Decision) -> u64 {
+        let life = lease_life(&check.limit, decision.remaining, lease, self.instances);
+        let kept = if life == 0 { 0 } else { extra };
+        if let Some(held) = self.held.shard(check.key).get_mut(&check.key) {
+            *held = Held {
+                limit: check.limit,
+                tokens: kept,
+                until: check.now.saturating_add(life),
+                shared: decision.remaining,
+                reset_at: check.now.saturating_add(micros(decision.reset)),
+                taking: held.taking,
+            };
+            return kept;
         }
-        let seen = (decision.remaining, check.now);
-        match shard.get_mut(&check.key) {
-            // A request asked alone beside a held lease: only what it saw.
-            Some(held) if kept == 0 && held.limit == check.limit => held.seen = seen,
-            _ => {
-                let taking = shard.get(&check.key).is_some_and(|h| h.taking);
-                shard.insert(
-                    check.key,
-                    Held {
-                        limit: check.limit,
-                        tokens: kept,
-                        until: check.now.saturating_add(life),
-                        shared: decision.remaining,
-                        reset_at: check.now.saturating_add(micros(decision.reset)),
-                        seen,
-                        taking,
-                    },
-                );
-            }
-        }
-        kept
+        0
     }
 
     /// Keys holding a lease now (expired ones included until swept).
@@ -237,51 +217,41 @@ impl<S: Store> Layer for Leases<S> {
         if let Some(answer) = self.spend(&check) {
             return CheckFuture::ready(Ok(answer));
         }
-        CheckFuture::waiting(async move {
-            let lease = check.lease.min(check.limit.burst());
-            if lease > check.cost && self.worth_a_lease(&check, lease) {
-                // One call takes the lease; it never falls back (a local
-                // share must not pay for a lease).
-                let _taking = Taking {
-                    leases: self,
-                    key: check.key,
-                };
-                let take = Check {
-                    cost: lease,
-                    on_failure: FailureMode::Closed,
-                    ..check
-                };
-                if let Ok(checked) = self.inner.check(take).await
-                    && matches!(checked.source, Source::Redis | Source::Memory)
-                    && let Some(decision) = checked.decision.filter(|d| d.allowed)
-                {
-                    let kept = self.learn(&check, lease, lease - check.cost, &decision);
-                    let shown = Decision {
-                        remaining: decision.remaining.saturating_add(kept).min(decision.limit),
-                        ..decision
-                    };
-                    return Ok(Checked {
-                        decision: Some(shown),
-                        ..checked
-                    });
-                }
-            }
+        let lease = check.lease.min(check.limit.burst());
+        let Some(take) = lease_take(&check.limit, check.cost, lease, self.instances)
+            .filter(|_| self.start_taking(&check))
+        else {
             // No lease to be had: the request alone, as without leases.
-            let result = self.inner.check(check).await;
-            if let Ok(Checked {
-                decision: Some(decision),
-                source: Source::Redis | Source::Memory,
-                ..
-            }) = &result
-            {
-                self.learn(&check, lease, 0, decision);
+            return self.inner.check(check);
+        };
+        let taking = Taking {
+            leases: self,
+            key: check.key,
+        };
+        self.inner.check(check.taking(take)).map(move |result| {
+            let held = match &result {
+                Ok(Checked {
+                    decision: Some(decision),
+                    source: Source::Redis | Source::Memory,
+                    extra,
+                    ..
+                }) if *extra > 0 => {
+                    let kept = self.hold(&check, lease, *extra, decision);
+                    Some(Decision {
+                        remaining: decision.remaining.saturating_add(kept).min(decision.limit),
+                        ..*decision
+                    })
+                }
+                _ => None,
+            };
+            drop(taking);
+            match (result, held) {
+                (Ok(checked), Some(shown)) => Ok(Checked {
+                    decision: Some(shown),
+                    ..checked
+                }),
+                (result, _) => result,
             }
-            result
         })
-    }
-
-    /// Two calls, one after the other, when a lease is not to be had.
-    fn longest_wait(&self) -> Option<Duration> {
-        self.inner.longest_wait()?.checked_mul(2)
     }
 }

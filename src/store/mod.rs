@@ -36,6 +36,7 @@ pub use error::{KINDS, Late, StoreError, redis_error_kind};
 pub use memory::MemoryStore;
 pub use redis::{LuaStore, NaiveStore};
 
+use crate::algorithm::token_bucket::TakeUpTo;
 use crate::algorithm::{Algorithm, Decision, Limit};
 use crate::clock::Micros;
 use serde::{Deserialize, Serialize};
@@ -220,6 +221,10 @@ pub struct Check {
     /// Sub-buckets a shard layer above splits this key over (the policy's
     /// `shards`, for the keys it applies to; 0 or 1: not split).
     pub shards: u16,
+    /// Whole tokens to take beyond the cost, in the same step, if the
+    /// bucket has them (a token bucket's lease; `None`: the cost alone).
+    /// The answer says how many were taken ([`Checked::extra`]).
+    pub take: Option<TakeUpTo>,
 }
 
 impl Check {
@@ -236,6 +241,7 @@ impl Check {
             deny_cache: false,
             lease: 0,
             shards: 1,
+            take: None,
         }
     }
 
@@ -257,6 +263,14 @@ impl Check {
     /// The same check, answerable by a deny cache or not.
     pub fn with_deny_cache(self, deny_cache: bool) -> Self {
         Self { deny_cache, ..self }
+    }
+
+    /// The same check, taking up to `take.extra` tokens more if it can.
+    pub fn taking(self, take: TakeUpTo) -> Self {
+        Self {
+            take: Some(take),
+            ..self
+        }
     }
 
     /// The same check bounded by `ceiling` (units).
@@ -313,6 +327,9 @@ pub struct Checked {
     /// The sub-bucket that decided, when the key is sharded
     /// ([`Check::shards`]): the bucket the store was called for.
     pub shard: Option<BucketKey>,
+    /// Whole tokens taken beyond the cost ([`Check::take`]); 0 for a check
+    /// that asked none, and whenever the store granted none.
+    pub extra: u64,
 }
 
 impl Checked {
@@ -324,6 +341,7 @@ impl Checked {
             source,
             bounded: false,
             shard: None,
+            extra: 0,
         }
     }
 }
@@ -402,8 +420,7 @@ pub trait Layer: Send + Sync + fmt::Debug + 'static {
     fn check_through(&self, check: Check) -> CheckFuture<'_>;
 
     /// [`Store::longest_wait`] through this layer: the inner store's,
-    /// unless the layer bounds it (a deadline) or makes calls one after
-    /// the other (a lease that is not to be had).
+    /// unless the layer bounds it (a deadline).
     fn longest_wait(&self) -> Option<Duration> {
         self.inner().longest_wait()
     }

@@ -5,8 +5,9 @@ use super::*;
 
 /// Random (limit, calls) cases: odd periods, backwards steps, long idles.
 /// (burst, rate, period_us), the first instant, and steps of (dt, cost,
-/// ceiling percent).
-type Case = ((u64, u64, u64), u64, Vec<(i64, u64, Option<u64>)>);
+/// ceiling percent, a lease's take beyond the cost as (extra, leave)).
+type Case = ((u64, u64, u64), u64, Vec<Step>);
+type Step = (i64, u64, Option<u64>, Option<(u64, u64)>);
 
 /// The largest instant a case starts at: 2^52 µs after the epoch (the year
 /// 2112), so every instant plus every wait stays within 2^53.
@@ -58,8 +59,17 @@ fn wide_limits() -> impl Strategy<Value = (u64, u64, u64)> {
         })
 }
 
-fn cases(limits: impl Strategy<Value = (u64, u64, u64)>) -> impl Strategy<Value = Case> {
-    (limits, prop_oneof![Just(T0), Just(LATE - (1 << 40))]).prop_flat_map(|(limit, start)| {
+fn cases_strategy(
+    limits: impl Strategy<Value = (u64, u64, u64)>,
+    takes: bool,
+) -> impl Strategy<Value = Case> {
+    (limits, prop_oneof![Just(T0), Just(LATE - (1 << 40))]).prop_flat_map(move |(limit, start)| {
+        let burst = limit.0.min(1 << 40);
+        let take = if takes {
+            prop::option::weighted(0.6, (0..=burst + 1, 0..=burst + 2)).boxed()
+        } else {
+            Just(None).boxed()
+        };
         let steps = prop::collection::vec(
             (
                 prop_oneof![
@@ -71,6 +81,7 @@ fn cases(limits: impl Strategy<Value = (u64, u64, u64)>) -> impl Strategy<Value 
                 ],
                 prop_oneof![4 => 0..=limit.0.min(4), 1 => Just(limit.0)],
                 prop::option::weighted(0.2, 0u64..=110),
+                take,
             ),
             1..120,
         );
@@ -91,16 +102,20 @@ struct Paths {
     /// Quantities above 2^50: where a double has fewer than 3 bits below
     /// the units place.
     near_the_limit: u64,
+    /// Tokens granted beyond the cost, by lease takes.
+    granted: u64,
 }
 
 /// The Rust core and the Lua script, fed the same (now, cost, limit), give
 /// identical decisions: allowed, remaining, retry_after and reset, with and
-/// without a ceiling. Returns which arithmetic paths the cases took.
+/// without a ceiling, and (with `takes`) the same tokens granted beyond the
+/// cost. Returns which arithmetic paths the cases took.
 fn differential(
     store: &LuaStore,
     rt: &tokio::runtime::Runtime,
     cases: u32,
     limits: impl Strategy<Value = (u64, u64, u64)>,
+    takes: bool,
 ) -> Paths {
     // A key per case, never reused by another call on the same server.
     static KEYS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -108,7 +123,7 @@ fn differential(
     let paths = std::cell::RefCell::new(Paths::default());
     runner
         .run(
-            &cases_strategy(limits),
+            &cases_strategy(limits, takes),
             |((burst, rate, period), start, steps)| {
                 let n = KEYS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
                 let bucket_key = BucketKey(
@@ -122,7 +137,8 @@ fn differential(
                 );
                 let mut state: Option<BucketState> = None;
                 let mut now = start as i64;
-                for (dt, cost, percent) in steps {
+                let mut granted = 0;
+                for (dt, cost, percent, take) in steps {
                     now += dt;
                     let ceiling = percent.map(|p| limit.capacity_units() / 100 * p);
                     {
@@ -137,14 +153,17 @@ fn differential(
                             paths.near_the_limit += 1;
                         }
                     }
-                    let (expected, next) = token_bucket::check_within(
+                    let take = take.map(|(extra, leave)| TakeUpTo { extra, leave });
+                    let (expected, next, extra) = token_bucket::check_up_to(
                         &limit,
                         state,
                         cost,
                         now as u64,
                         ceiling.unwrap_or(u64::MAX),
+                        take.unwrap_or(TakeUpTo::NONE),
                     )
                     .unwrap();
+                    granted += extra;
                     if per_us != 1 {
                         // The units the script divides by the rate: what the
                         // bucket misses to be full, and (denied) to admit.
@@ -158,21 +177,22 @@ fn differential(
                     if expected.allowed {
                         state = (!expected.reset.is_zero()).then_some(next);
                     }
-                    let got = rt
-                        .block_on(store.decide(
-                            &Check::new(bucket_key, limit, cost, now as u64).with_ceiling(ceiling),
-                        ))
-                        .unwrap();
+                    let mut check =
+                        Check::new(bucket_key, limit, cost, now as u64).with_ceiling(ceiling);
+                    check.take = take;
+                    let got = rt.block_on(store.decide_taking(&check)).unwrap();
                     prop_assert_eq!(
                         got,
-                        expected,
-                        "now={} cost={} ceiling={:?} limit={:?}",
+                        (expected, extra),
+                        "now={} cost={} ceiling={:?} take={:?} limit={:?}",
                         now,
                         cost,
                         ceiling,
+                        take,
                         limit
                     );
                 }
+                paths.borrow_mut().granted += granted;
                 Ok(())
             },
         )
@@ -180,17 +200,13 @@ fn differential(
     paths.into_inner()
 }
 
-fn cases_strategy(limits: impl Strategy<Value = (u64, u64, u64)>) -> impl Strategy<Value = Case> {
-    cases(limits)
-}
-
 /// Both kinds of limits, many cases: the small ones as the service runs
 /// them, and the whole accepted range, where the script's arithmetic
 /// leaves small integers: products past 2^53 that only the clamp makes
 /// exact, and waits the correction loop rounds up.
 fn differential_everywhere(store: &LuaStore, rt: &tokio::runtime::Runtime, cases: u32) {
-    differential(store, rt, cases, small_limits());
-    let paths = differential(store, rt, cases, wide_limits());
+    differential(store, rt, cases, small_limits(), false);
+    let paths = differential(store, rt, cases, wide_limits(), false);
     eprintln!("paths taken over the whole range: {paths:?}");
     assert!(paths.inexact_refill > 0, "{paths:?}");
     assert!(paths.rounded_up_wait > 0, "{paths:?}");
@@ -203,6 +219,20 @@ fn lua_script_matches_the_rust_core_on_a_real_redis() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let store = rt.block_on(lua(&settings(vec![redis.url()], false)));
     differential_everywhere(&store, &rt, 256);
+}
+
+/// A lease's take (up to N beyond the cost, only if at most L remain): the
+/// script grants what the Rust core grants, over both kinds of limits.
+#[test]
+fn a_take_beyond_the_cost_matches_the_rust_core_on_a_real_redis() {
+    let redis = RedisServer::start().unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let store = rt.block_on(lua(&settings(vec![redis.url()], false)));
+    let small = differential(&store, &rt, 256, small_limits(), true);
+    assert!(small.granted > 0, "{small:?}");
+    let wide = differential(&store, &rt, 128, wide_limits(), true);
+    eprintln!("paths taken with takes over the whole range: {wide:?}");
+    assert!(wide.granted > 0, "{wide:?}");
 }
 
 #[test]
@@ -235,7 +265,7 @@ fn differential_algorithms(store: &LuaStore, rt: &tokio::runtime::Runtime, cases
         let key = std::cell::Cell::new(0u128);
         runner
             .run(
-                &cases_strategy(small_limits()),
+                &cases_strategy(small_limits(), true),
                 |((burst, rate, period), _, steps)| {
                     key.set(key.get() + 1);
                     let bucket_key = BucketKey(
@@ -247,19 +277,18 @@ fn differential_algorithms(store: &LuaStore, rt: &tokio::runtime::Runtime, cases
                         .with_algorithm(algorithm);
                     let mut state = None;
                     let mut now = T0 as i64;
-                    for (dt, cost, _) in steps {
+                    for (dt, cost, _, take) in steps {
                         now += dt;
                         let (expected, next) =
                             algorithm::check(&limit, state.take(), cost, now as u64).unwrap();
                         state = next;
-                        let got = rt
-                            .block_on(
-                                store.decide(&Check::new(bucket_key, limit, cost, now as u64)),
-                            )
-                            .unwrap();
+                        // Only a token bucket takes beyond the cost.
+                        let mut check = Check::new(bucket_key, limit, cost, now as u64);
+                        check.take = take.map(|(extra, leave)| TakeUpTo { extra, leave });
+                        let got = rt.block_on(store.decide_taking(&check)).unwrap();
                         prop_assert_eq!(
                             got,
-                            expected,
+                            (expected, 0),
                             "{:?} now={} cost={} limit={:?}",
                             algorithm,
                             now,

@@ -9,7 +9,7 @@ mod expiry;
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestRunner};
-use ratelimiter::algorithm::token_bucket::{self, BucketState};
+use ratelimiter::algorithm::token_bucket::{self, BucketState, TakeUpTo};
 use ratelimiter::algorithm::{Algorithm, Limit, MAX_EXACT};
 use ratelimiter::store::redis::{RedisConnection, RedisSettings, redis_key};
 use ratelimiter::store::{BucketKey, Check, LuaStore, NaiveStore, Store};
@@ -93,11 +93,11 @@ async fn naive_read_modify_write_double_spends_the_last_token() {
     let seen_by_a = a.read(key).await.unwrap();
     let seen_by_b = b.read(key).await.unwrap();
     assert_eq!(seen_by_a, seen_by_b);
-    let first = a
+    let (first, _) = a
         .decide_and_write(&Check::new(key, limit, 1, T0), seen_by_a)
         .await
         .unwrap();
-    let second = b
+    let (second, _) = b
         .decide_and_write(&Check::new(key, limit, 1, T0), seen_by_b)
         .await
         .unwrap();

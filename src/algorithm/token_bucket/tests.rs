@@ -273,6 +273,59 @@ proptest! {
         }
     }
 
+    /// A take beyond the cost is the largest whole number of tokens, at most
+    /// `extra`, that leaves at most `leave`, else none: granted, it is
+    /// exactly a check of the cost plus the grant (same bucket after, same
+    /// remaining and reset), with `retry_after` still for the cost alone;
+    /// not granted, it is exactly the plain check.
+    #[test]
+    fn a_take_grants_what_is_there_at_most_its_extra_or_nothing(
+        (calls, (burst, rate, period)) in limit_strategy()
+            .prop_flat_map(|l| (calls_strategy(l.0), Just(l))),
+        cost in 0u64..=5,
+        extra in 0u64..=40,
+        leave in 0u64..=200,
+        percent in prop::option::of(0u64..=110),
+        later in 0u64..5_000_000,
+    ) {
+        let limit = Limit::new(burst, rate, Duration::from_micros(period)).unwrap();
+        let cost = cost.min(burst);
+        let mut state = None;
+        for &(now, c) in &calls {
+            state = Some(check(&limit, state, c, now).unwrap().1);
+        }
+        let now = calls.last().unwrap().0 + later;
+        let ceiling = percent.map_or(u64::MAX, |p| limit.capacity_units() / 100 * p);
+        let take = TakeUpTo { extra, leave };
+        let (taken, stored, granted) =
+            check_up_to(&limit, state, cost, now, ceiling, take).unwrap();
+        let (plain, plain_state) = check_within(&limit, state, cost, now, ceiling).unwrap();
+        // What the plain check leaves, in whole tokens, is what a take can have.
+        let whole = plain.remaining;
+        let expected = if !plain.allowed || whole.saturating_sub(extra) > leave {
+            0
+        } else {
+            extra.min(whole)
+        };
+        prop_assert_eq!(granted, expected);
+        if granted == 0 {
+            prop_assert_eq!((taken, stored), (plain, plain_state));
+        } else {
+            let (both, both_state) =
+                check_within(&limit, state, cost + granted, now, ceiling).unwrap();
+            prop_assert!(both.allowed && taken.allowed);
+            prop_assert_eq!(stored, both_state);
+            prop_assert_eq!(taken.remaining, both.remaining);
+            prop_assert!(taken.remaining <= leave);
+            prop_assert_eq!(taken.reset, both.reset);
+            // The wait until another request of `cost` passes, after the take.
+            let wait = taken.retry_after.as_micros() as u64;
+            let passes = |at| check(&limit, Some(stored), cost, at).unwrap().0.allowed;
+            prop_assert!(passes(now + wait));
+            prop_assert!(wait == 0 || !passes(now + wait - 1));
+        }
+    }
+
     /// A clock stepping backwards refills nothing and leaves the state as it was.
     #[test]
     fn backwards_clock_refills_nothing(

@@ -2,7 +2,8 @@
 //! admits more than the bucket alone, fed the same requests.
 
 use super::*;
-use crate::mitigation::{Leases, lease_life};
+use crate::algorithm::token_bucket::TakeUpTo;
+use crate::mitigation::{Leases, lease_life, lease_take};
 use crate::store::{FailureMode, StoreError};
 use std::sync::Mutex;
 
@@ -79,11 +80,12 @@ fn tokens_held_through_any_pause_never_add_to_a_burst() {
             }
             c.source
         };
-        // Drain the bucket: the last admissions come from a lease.
-        for i in 0..8 {
+        // Drain the bucket: the last admission comes from a lease, one of
+        // whose tokens is still held.
+        for i in 0..7 {
             ask(T0 + i);
         }
-        let after = T0 + 8 + pause_ms * 1_000;
+        let after = T0 + 7 + pause_ms * 1_000;
         leased_late += u64::from(ask(after) == Source::Lease);
         for i in 1..20 {
             ask(after + i);
@@ -108,12 +110,41 @@ fn a_lease_lives_until_the_room_under_the_burst_is_refilled() {
     assert_eq!(lease_life(&limit, 99, 10, 3), 0);
 }
 
+/// The take asks for the rest of the lease, granted only where it can
+/// live: at most `B - 2 - K x N` whole tokens left, the last count whose
+/// lease life is positive.
+#[test]
+fn a_take_is_granted_only_where_its_lease_can_live() {
+    let limit = Limit::per_second(100, 10).unwrap();
+    let take = lease_take(&limit, 1, 10, 3).unwrap();
+    assert_eq!(
+        take,
+        TakeUpTo {
+            extra: 9,
+            leave: 68
+        }
+    );
+    assert!(lease_life(&limit, take.leave, 10, 3) > 0);
+    assert_eq!(lease_life(&limit, take.leave + 1, 10, 3), 0);
+    assert_eq!(lease_take(&limit, 4, 10, 3).unwrap().extra, 6);
+    // Nothing beyond a request as dear as the lease.
+    assert_eq!(lease_take(&limit, 10, 10, 3), None);
+    assert_eq!(lease_take(&limit, 12, 10, 3), None);
+    // A fleet whose leases fill the burst but one token: never any room.
+    let tight = Limit::per_second(31, 10).unwrap();
+    assert_eq!(lease_take(&tight, 1, 10, 3), None);
+}
+
+/// What a store was asked: the cost, whether it carried a take, the
+/// failure mode.
+type Asked = (u64, bool, FailureMode);
+
 /// Records what it is asked, and answers from a memory store or fails.
 #[derive(Debug)]
 struct Recording {
     inner: MemoryStore,
     failing: Mutex<bool>,
-    asked: Mutex<Vec<(u64, FailureMode)>>,
+    asked: Mutex<Vec<Asked>>,
 }
 
 impl Store for Recording {
@@ -121,7 +152,7 @@ impl Store for Recording {
         self.asked
             .lock()
             .unwrap()
-            .push((check.cost, check.on_failure));
+            .push((check.cost, check.take.is_some(), check.on_failure));
         if *self.failing.lock().unwrap() {
             return crate::store::CheckFuture::ready(Err(StoreError::Deadline(
                 crate::store::Late::unknown(),
@@ -135,7 +166,7 @@ impl Store for Recording {
 }
 
 #[test]
-fn one_call_for_a_lease_then_local_spends_and_no_lease_ever_falls_back() {
+fn every_request_is_one_call_and_a_take_goes_down_as_the_request_would() {
     let rt = runtime();
     let store = Arc::new(Recording {
         inner: MemoryStore::new(64, 1),
@@ -143,57 +174,52 @@ fn one_call_for_a_lease_then_local_spends_and_no_lease_ever_falls_back() {
         asked: Mutex::new(Vec::new()),
     });
     let leases = Leases::new(Arc::clone(&store), 1, 16);
-    // Burst 100, 100/s: a lease of 10 after the first take leaves 90.
+    // Burst 100, 100/s, one instance leasing 10: a lease is granted once
+    // at most 88 tokens are left after it.
     let limit = Limit::per_second(100, 100).unwrap();
     let at = |now| {
         Check::new(BucketKey(3), limit, 1, now)
             .on_failure(FailureMode::Local)
             .with_lease(10)
     };
-    // A full bucket: the first requests go alone (a lease could not be
-    // held); once the bucket is drained enough, one call takes a lease
-    // and the next requests spend it.
-    let sources: Vec<Source> = (0..40u64)
-        .map(|i| rt.block_on(leases.check(at(T0 + i))).unwrap().source)
+    let answers: Vec<Checked> = (0..40u64)
+        .map(|i| rt.block_on(leases.check(at(T0 + i))).unwrap())
         .collect();
-    let first_lease = sources.iter().position(|s| *s == Source::Lease).unwrap();
-    assert!(first_lease > 1, "{sources:?}");
-    let asked = store.asked.lock().unwrap().clone();
-    assert!(
-        asked[..first_lease - 1]
-            .iter()
-            .all(|&(cost, mode)| cost == 1 && mode == FailureMode::Local),
-        "{asked:?}"
-    );
+    let sources: Vec<Source> = answers.iter().map(|c| c.source).collect();
+    // 99 and 98 left: a lease could not live, so none is granted; at 97
+    // the take has 9 more (88 left), and the next 9 requests spend them.
     assert_eq!(
-        asked[first_lease - 1],
-        (10, FailureMode::Closed),
-        "the take: the lease's cost, no fallback"
-    );
-    assert_eq!(sources[first_lease - 1], Source::Memory);
-    assert!(
-        sources[first_lease..first_lease + 9]
-            .iter()
-            .all(|s| *s == Source::Lease),
+        answers[..3].iter().map(|c| c.extra).collect::<Vec<_>>(),
+        [0, 0, 9],
         "{sources:?}"
     );
+    assert_eq!(answers[2].decision.unwrap().remaining, 97, "88 + 9 held");
+    assert!(sources[..3].iter().all(|s| *s == Source::Memory));
     assert!(
-        asked.len() < 40 - 9,
-        "{} calls for 40 requests",
-        asked.len()
+        sources[3..12].iter().all(|s| *s == Source::Lease),
+        "{sources:?}"
     );
-    // The store fails now: once the held tokens are spent, the lease
-    // take fails, and the request goes down alone, with its own mode.
+    assert_eq!(sources[12], Source::Memory, "the next take");
+    // One call per request the lease did not serve, each the request's
+    // own cost and mode, with a take.
+    let asked = store.asked.lock().unwrap().clone();
+    let leased = sources.iter().filter(|s| **s == Source::Lease).count();
+    assert_eq!(asked.len(), 40 - leased);
+    assert!(leased >= 30, "{sources:?}");
+    assert!(
+        asked.iter().all(|a| *a == (1, true, FailureMode::Local)),
+        "{asked:?}"
+    );
+    // The store fails now: once the held tokens are spent, the request's
+    // one call goes down, with its own mode (a failover layer below would
+    // decide it from the local share, which grants no lease).
     *store.failing.lock().unwrap() = true;
     let mut now = T0 + 40;
     while rt.block_on(leases.check(at(now))).is_ok() {
         now += 1;
     }
-    let asked = store.asked.lock().unwrap().clone();
-    assert_eq!(
-        asked[asked.len() - 2..],
-        [(10, FailureMode::Closed), (1, FailureMode::Local)]
-    );
+    let failed = store.asked.lock().unwrap().len() - asked.len();
+    assert_eq!(failed, 1, "one call, no second try");
     // Without `lease`, nothing changes.
     store.asked.lock().unwrap().clear();
     *store.failing.lock().unwrap() = false;
@@ -201,25 +227,29 @@ fn one_call_for_a_lease_then_local_spends_and_no_lease_ever_falls_back() {
         .block_on(leases.check(Check::new(BucketKey(4), limit, 1, T0)))
         .unwrap();
     assert_eq!(plain.source, Source::Memory);
-    assert_eq!(*store.asked.lock().unwrap(), [(1, FailureMode::Local)]);
+    assert_eq!(
+        *store.asked.lock().unwrap(),
+        [(1, false, FailureMode::Local)]
+    );
     assert_eq!(leases.len(), 1, "only the leasing key is remembered");
 }
 
-/// Holds a lease take (a check of more than one token) until a permit
-/// is added; single-token checks pass through.
+/// Holds a take (a check with a lease's take) until a permit is added;
+/// other checks pass through.
 #[derive(Debug)]
 struct Gated {
     inner: MemoryStore,
     gate: tokio::sync::Semaphore,
-    asked: Mutex<Vec<u64>>,
+    asked: Mutex<Vec<bool>>,
 }
 
 impl Store for Gated {
     fn check(&self, check: Check) -> crate::store::CheckFuture<'_> {
-        self.asked.lock().unwrap().push(check.cost);
+        self.asked.lock().unwrap().push(check.take.is_some());
         crate::store::CheckFuture::waiting(async move {
-            if check.cost > 1 {
-                let _pass = self.gate.acquire().await.expect("gate open");
+            if check.take.is_some() {
+                // One permit, one take.
+                self.gate.acquire().await.expect("gate open").forget();
             }
             self.inner.check(check).await
         })
@@ -230,8 +260,9 @@ impl Store for Gated {
 }
 
 /// One lease is taken at a time per key and instance: while a take is
-/// on its way, the key's other requests go to the store alone (a token
-/// each) rather than each taking a lease of their own.
+/// on its way, the key's other requests go to the store without one
+/// rather than each taking a lease of their own (which would replace,
+/// and so waste, the first).
 #[test]
 fn one_lease_take_at_a_time_per_key() {
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -257,30 +288,45 @@ fn one_lease_take_at_a_time_per_key() {
             .check(Check::new(BucketKey(5), limit, 60, T0))
             .await
             .unwrap();
-        // The first request goes alone: nothing seen of the key yet.
-        leases.check(at(T0)).await.unwrap();
         let spawn = |now| {
             let leases = Arc::clone(&leases);
             tokio::spawn(async move { leases.check(at(now)).await })
         };
-        // The next takes a lease, and waits at the gate.
-        let take = spawn(T0 + 1);
+        // The first takes a lease, and waits at the gate.
+        let take = spawn(T0);
         tokio::task::yield_now().await;
-        assert_eq!(*store.asked.lock().unwrap(), [1, 10]);
+        assert_eq!(*store.asked.lock().unwrap(), [true]);
         // Meanwhile four more: each alone, none takes another lease.
-        for i in 2..6 {
+        for i in 1..5 {
             let alone = tokio::time::timeout(Duration::from_secs(5), spawn(T0 + i));
             let c = alone.await.expect("waited for another take").unwrap();
             assert_eq!(c.unwrap().source, Source::Memory);
         }
-        assert_eq!(*store.asked.lock().unwrap(), [1, 10, 1, 1, 1, 1]);
+        assert_eq!(
+            *store.asked.lock().unwrap(),
+            [true, false, false, false, false]
+        );
         assert!(!take.is_finished());
         // The take lands; its tokens serve the next requests.
         store.gate.add_permits(1);
         let c = take.await.unwrap().unwrap();
-        assert_eq!(c.source, Source::Memory);
-        let c = leases.check(at(T0 + 7)).await.unwrap();
+        assert_eq!((c.source, c.extra), (Source::Memory, 9));
+        let c = leases.check(at(T0 + 6)).await.unwrap();
         assert_eq!(c.source, Source::Lease);
-        assert_eq!(store.asked.lock().unwrap().len(), 6);
+        assert_eq!(store.asked.lock().unwrap().len(), 5);
+        // The rest of the lease, then a take dropped on its way (its
+        // request timed out): the next request takes again.
+        for i in 7..15 {
+            assert_eq!(
+                leases.check(at(T0 + i)).await.unwrap().source,
+                Source::Lease
+            );
+        }
+        let late = tokio::time::timeout(Duration::from_millis(20), leases.check(at(T0 + 15)));
+        assert!(late.await.is_err(), "held at the gate");
+        store.gate.add_permits(1);
+        let c = leases.check(at(T0 + 16)).await.unwrap();
+        assert_eq!((c.source, c.extra), (Source::Memory, 9));
+        assert_eq!(store.asked.lock().unwrap()[5..], [true, true]);
     });
 }

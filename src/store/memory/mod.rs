@@ -45,6 +45,24 @@ impl MemoryStore {
         ))
     }
 
+    /// [`MemoryStore::decide`] with the check's take beyond its cost
+    /// ([`Check::take`]): the decision and the extra tokens granted.
+    pub fn decide_taking(&self, check: &Check) -> Result<(Decision, u64), StoreError> {
+        let Some(take) = check.take else {
+            return self.decide(check).map(|decision| (decision, 0));
+        };
+        let limit = &check.limit;
+        algorithm::check_packable(limit, check.cost).map_err(refused)?;
+        Ok(algorithm::take_in(
+            self.table.slot(check.key, check.now),
+            limit,
+            check.cost,
+            check.now,
+            check.ceiling,
+            take,
+        ))
+    }
+
     /// The table the buckets live in, for layers that keep their own
     /// buckets beside the store's decisions (the failure policy's share).
     pub fn table(&self) -> &Table {
@@ -87,9 +105,10 @@ fn refused(e: PackedError) -> StoreError {
 
 impl Store for MemoryStore {
     fn check(&self, check: Check) -> CheckFuture<'_> {
-        let checked = self
-            .decide(&check)
-            .map(|decision| Checked::decided(decision, check.limit, Source::Memory));
+        let checked = self.decide_taking(&check).map(|(decision, extra)| Checked {
+            extra,
+            ..Checked::decided(decision, check.limit, Source::Memory)
+        });
         CheckFuture::ready(checked)
     }
 

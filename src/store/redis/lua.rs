@@ -35,14 +35,25 @@ pub struct LuaStore {
     ttl_margin_us: u64,
 }
 
-/// Parses a script's reply, `"<allowed> <remaining> <retry_us> <reset_us>"`:
-/// four unsigned decimal numbers, one space apart, read from the bytes as
-/// they came (no UTF-8 pass, no `str` splitting: this runs once per check).
-fn parse_reply(reply: &[u8]) -> Option<(bool, u64, u64, u64)> {
-    let mut fields = [0u64; 4];
+/// A script's reply: allowed, remaining, retry and reset (microseconds),
+/// and the tokens taken beyond the cost (0 when no take was asked).
+type Fields = (bool, u64, u64, u64, u64);
+
+/// Parses a script's reply, `"<allowed> <remaining> <retry_us> <reset_us>"`
+/// and, for a check that takes beyond its cost, `" <extra>"`: four or five
+/// unsigned decimal numbers, one space apart, read from the bytes as they
+/// came (no UTF-8 pass, no `str` splitting: this runs once per check).
+fn parse_reply(reply: &[u8]) -> Option<Fields> {
+    let mut fields = [0u64; 5];
     let mut parts = reply.split(|&b| b == b' ');
-    for field in &mut fields {
-        let digits = parts.next()?;
+    for (i, field) in fields.iter_mut().enumerate() {
+        let Some(digits) = parts.next() else {
+            // The fifth is optional.
+            if i == 4 {
+                break;
+            }
+            return None;
+        };
         if digits.is_empty() || digits.len() > 20 {
             return None;
         }
@@ -55,16 +66,16 @@ fn parse_reply(reply: &[u8]) -> Option<(bool, u64, u64, u64)> {
         }
         *field = n;
     }
-    let [allowed, remaining, retry, reset] = fields;
+    let [allowed, remaining, retry, reset, extra] = fields;
     if parts.next().is_some() || allowed > 1 {
         return None;
     }
-    Some((allowed == 1, remaining, retry, reset))
+    Some((allowed == 1, remaining, retry, reset, extra))
 }
 
 /// [`parse_reply`] on the reply as redis-rs read it: the script returns a
 /// bulk string (RESP2 and 3); any string reply is read the same way.
-fn decode_reply(reply: &Value) -> Option<(bool, u64, u64, u64)> {
+fn decode_reply(reply: &Value) -> Option<Fields> {
     match reply {
         Value::BulkString(bytes) => parse_reply(bytes),
         Value::SimpleString(text) | Value::VerbatimString { text, .. } => {
@@ -77,7 +88,7 @@ fn decode_reply(reply: &Value) -> Option<(bool, u64, u64, u64)> {
 /// [`parse_reply`] on a reply however it came: a frame of our own
 /// connection is read in place when it is the bulk string the script
 /// returns, and decoded to a `Value` otherwise.
-fn read_reply(reply: Reply) -> Result<(bool, u64, u64, u64), RedisError> {
+fn read_reply(reply: Reply) -> Result<Fields, RedisError> {
     if let Reply::Frame(frame) = &reply
         && let Some(fields) = bulk_string(frame).and_then(parse_reply)
     {
@@ -136,29 +147,43 @@ impl LuaStore {
     /// (after a restart or SCRIPT FLUSH) loads the script and sends the
     /// command again, as `Script` does.
     pub async fn decide(&self, check: &Check) -> Result<Decision, StoreError> {
+        Ok(self.decide_taking(check).await?.0)
+    }
+
+    /// [`LuaStore::decide`] with the check's take beyond its cost
+    /// ([`Check::take`]): the decision and the extra tokens granted, in
+    /// the same script run.
+    pub async fn decide_taking(&self, check: &Check) -> Result<(Decision, u64), StoreError> {
         let Check {
             key,
             limit,
             cost,
             now,
             ceiling,
+            take,
             ..
         } = *check;
         limit.check_cost(cost)?;
         let algorithm = limit.algorithm();
         let script = self.script(algorithm);
-        let mut numbers = [0; 7];
+        let mut numbers = [0; 9];
         let mut len = 0;
         let words = algorithm.script_args(&limit);
+        // Only a token bucket leases.
+        let take = take.filter(|_| algorithm == Algorithm::TokenBucket);
         let ceiling = ceiling
             .filter(|_| algorithm.takes_ceiling())
+            // The take's arguments follow the ceiling's place.
+            .or(take.map(|_| u64::MAX))
             // At most the capacity, so the script's integers stay exact.
             .map(|ceiling| ceiling.min(limit.capacity_units()));
+        let take = take.map(|t| [t.extra, t.leave]);
         for number in [now, cost]
             .iter()
             .chain(words.as_slice())
             .chain([self.ttl_margin_us].iter())
             .chain(ceiling.as_ref())
+            .chain(take.iter().flatten())
         {
             numbers[len] = *number;
             len += 1;
@@ -180,20 +205,21 @@ impl LuaStore {
             .instrument(call.span())
             .await;
         call.finish(&reply, topology);
-        let (allowed, remaining, retry_after, reset) = read_reply(reply?)?;
-        Ok(Decision {
+        let (allowed, remaining, retry_after, reset, extra) = read_reply(reply?)?;
+        let decision = Decision {
             allowed,
             limit: limit.burst(),
             remaining,
             retry_after: Duration::from_micros(retry_after),
             reset: Duration::from_micros(reset),
-        })
+        };
+        Ok((decision, extra))
     }
 }
 
 /// One check's EVALSHA: the script's SHA1, one key, then the numbers (now,
 /// cost, the limit's words, the TTL margin, the ceiling if the algorithm
-/// takes one). It writes itself as RESP straight into our connection's
+/// takes one, a lease's take). It writes itself as RESP straight into our connection's
 /// buffer: no `Cmd` with its two allocations, then copied, and everything
 /// before the bucket's hash tag (the name, the SHA1, the key count, the
 /// key's length, prefix and tag) copied from a `head` made once per
@@ -266,8 +292,11 @@ impl LuaStore {
     )]
     fn checked(&self, check: Check) -> impl Future<Output = CheckResult> + Send + '_ {
         async move {
-            let decision = self.decide(&check).await?;
-            Ok(Checked::decided(decision, check.limit, Source::Redis))
+            let (decision, extra) = self.decide_taking(&check).await?;
+            Ok(Checked {
+                extra,
+                ..Checked::decided(decision, check.limit, Source::Redis)
+            })
         }
     }
 }
@@ -306,23 +335,32 @@ mod tests {
 
     #[test]
     fn script_replies_parse_strictly() {
-        assert_eq!(parse_reply(b"1 99 0 100000"), Some((true, 99, 0, 100_000)));
+        assert_eq!(
+            parse_reply(b"1 99 0 100000"),
+            Some((true, 99, 0, 100_000, 0))
+        );
         assert_eq!(
             parse_reply(b"0 0 4503599627370496 1"),
-            Some((false, 0, 1 << 52, 1))
+            Some((false, 0, 1 << 52, 1, 0))
         );
         assert_eq!(
             parse_reply(b"0 18446744073709551615 0 0"),
-            Some((false, u64::MAX, 0, 0))
+            Some((false, u64::MAX, 0, 0, 0))
         );
         assert_eq!(
             parse_reply(b"0 9999999999999999999 0 0"),
-            Some((false, 9_999_999_999_999_999_999, 0, 0))
+            Some((false, 9_999_999_999_999_999_999, 0, 0, 0))
+        );
+        assert_eq!(
+            parse_reply(b"1 30 0 700000 9"),
+            Some((true, 30, 0, 700_000, 9))
         );
         for bad in [
             &b""[..],
             b"1 2 3",
-            b"1 2 3 4 5",
+            b"1 2 3 4 5 6",
+            b"1 2 3 4 ",
+            b"1 2 3 4 -5",
             b"2 0 0 0",
             b"1 -1 0 0",
             b"1 2.5 0 0",
@@ -340,7 +378,7 @@ mod tests {
 
     #[test]
     fn replies_decode_from_any_string_value() {
-        let fields = Some((false, 3, 250, 9_000));
+        let fields = Some((false, 3, 250, 9_000, 0));
         assert_eq!(
             decode_reply(&Value::BulkString(b"0 3 250 9000".to_vec())),
             fields

@@ -8,7 +8,7 @@
 
 use super::call::Call;
 use super::{RedisConnection, RedisSettings, Topology, redis_key};
-use crate::algorithm::token_bucket::{self, BucketState};
+use crate::algorithm::token_bucket::{self, BucketState, TakeUpTo};
 use crate::algorithm::{Algorithm, Decision, Limit};
 use crate::clock::Micros;
 use crate::key::BucketKey;
@@ -105,22 +105,30 @@ impl NaiveStore {
 
     /// Step 2 of 2: decide on what was read and write the result back,
     /// unconditionally: whatever another instance wrote since step 1 is lost.
+    /// Returns the decision and the tokens taken beyond the cost.
     pub async fn decide_and_write(
         &self,
         check: &Check,
         read: Option<BucketState>,
-    ) -> Result<Decision, StoreError> {
+    ) -> Result<(Decision, u64), StoreError> {
         let Check {
             key,
             limit,
             cost,
             now,
             ceiling,
+            take,
             ..
         } = *check;
         Self::keeps(&limit)?;
-        let (decision, state) =
-            token_bucket::check_within(&limit, read, cost, now, ceiling.unwrap_or(u64::MAX))?;
+        let (decision, state, extra) = token_bucket::check_up_to(
+            &limit,
+            read,
+            cost,
+            now,
+            ceiling.unwrap_or(u64::MAX),
+            take.unwrap_or(TakeUpTo::NONE),
+        )?;
         if decision.allowed {
             let name = self.key_name(key);
             if decision.reset.is_zero() {
@@ -137,7 +145,7 @@ impl NaiveStore {
                 let () = self.run(set, &name, "SET", "naive_set").await?;
             }
         }
-        Ok(decision)
+        Ok((decision, extra))
     }
 
     /// Refuses anything this store does not keep.
@@ -159,8 +167,11 @@ impl Store for NaiveStore {
         CheckFuture::waiting(async move {
             Self::keeps(&check.limit)?;
             let read = self.read(check.key).await?;
-            let decision = self.decide_and_write(&check, read).await?;
-            Ok(Checked::decided(decision, check.limit, Source::Redis))
+            let (decision, extra) = self.decide_and_write(&check, read).await?;
+            Ok(Checked {
+                extra,
+                ..Checked::decided(decision, check.limit, Source::Redis)
+            })
         })
     }
 
