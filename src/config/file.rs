@@ -276,7 +276,8 @@ pub struct PolicyFile {
     /// Answer 429 locally while a denial from the store holds.
     #[serde(default)]
     pub deny_cache: bool,
-    /// Tokens an instance takes at once and spends locally (0: none).
+    /// Tokens an instance takes at most with a request's call and spends
+    /// locally (0: none).
     #[serde(default)]
     pub lease: u64,
     /// Sub-buckets each key is split over (default 1: none).
