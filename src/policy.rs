@@ -34,7 +34,7 @@ pub struct Policy {
     /// Answer 429 in the instance while a denial from the store holds
     /// (see [`crate::mitigation::DenyCache`]).
     pub deny_cache: bool,
-    /// Tokens an instance leases at once (0: none; see
+    /// Tokens an instance leases at most with a call (0: none; see
     /// [`crate::mitigation::Leases`]).
     pub lease: u64,
     /// Sub-buckets each key is split over (1: none; see
@@ -95,7 +95,7 @@ pub struct RoutePolicy {
     pub shadow: bool,
     /// Whether denials are cached in the instance.
     pub deny_cache: bool,
-    /// Tokens leased at once (0: none).
+    /// Tokens leased at most with a call (0: none).
     pub lease: u64,
     shards: u16,
     shard_keys: Vec<String>,

@@ -108,7 +108,7 @@ async fn three_lua_instances_with_leases_never_admit_more_than_the_budget() {
     );
     // As many requests as the budget: some spent from leases (how many
     // depends on the interleaving: a request that arrives while its
-    // instance is taking a lease goes alone).
+    // instance is taking a lease goes without a take).
     let first = admitted(&fleet, BUDGET).await;
     let mut from_leases = 0.0;
     for url in &fleet.urls {

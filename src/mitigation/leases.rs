@@ -28,7 +28,8 @@
 //! **Only when it can be held.** Tokens taken from a nearly full bucket
 //! could not be held, and would be lost. So the take asks the store to
 //! grant anything beyond the cost only if the bucket is left with at most
-//! `B - 2 - K × N` whole tokens, where the lease has room to live; else it
+//! `B - 2 - K × N` whole tokens (fewer if more than a token refills each
+//! microsecond), where the lease has room to live; else it
 //! grants the request alone, exactly as without leases. The store decides
 //! that on the bucket as it is, in the same step: nothing is guessed from
 //! an older answer, and a key checked now and then (a full bucket) is
@@ -112,10 +113,19 @@ pub fn lease_life(limit: &Limit, remaining: u64, lease: u64, instances: u64) -> 
 /// remaining tokens is positive); `None` when a lease never could.
 pub fn lease_take(limit: &Limit, cost: u64, lease: u64, instances: u64) -> Option<TakeUpTo> {
     let extra = lease.checked_sub(cost).filter(|extra| *extra > 0)?;
-    // lease_life(R) > 0 exactly while R <= B - 2 - K x N.
-    let leave = limit
-        .burst()
-        .checked_sub(instances.checked_mul(lease)?.checked_add(2)?)?;
+    // lease_life(R) > 0 exactly while the room B - (R + 1) - K x N refills
+    // for at least a microsecond: at least ceil(rate / unit) tokens (one,
+    // unless more than a token refills each microsecond).
+    let least_room = limit
+        .rate_units_per_us()
+        .max(1)
+        .div_ceil(limit.units_per_token());
+    let leave = limit.burst().checked_sub(
+        instances
+            .checked_mul(lease)?
+            .checked_add(1)?
+            .checked_add(least_room)?,
+    )?;
     Some(TakeUpTo { extra, leave })
 }
 

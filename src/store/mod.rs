@@ -215,8 +215,8 @@ pub struct Check {
     /// Whether a deny cache above may answer this check from a denial it
     /// holds (the policy's `deny_cache`).
     pub deny_cache: bool,
-    /// Tokens a lease layer above may take at once for this key (the
-    /// policy's `lease`; 0: no leases).
+    /// Tokens a lease layer above may take at most with a call for this
+    /// key (the policy's `lease`; 0: no leases).
     pub lease: u64,
     /// Sub-buckets a shard layer above splits this key over (the policy's
     /// `shards`, for the keys it applies to; 0 or 1: not split).

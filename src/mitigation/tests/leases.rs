@@ -5,6 +5,7 @@ use super::*;
 use crate::algorithm::token_bucket::TakeUpTo;
 use crate::mitigation::{Leases, lease_life, lease_take};
 use crate::store::{FailureMode, StoreError};
+use proptest::test_runner::TestRunner;
 use std::sync::Mutex;
 
 /// A token bucket big enough for `instances` leases of `lease`.
@@ -24,39 +25,49 @@ fn case() -> impl Strategy<Value = (Limit, u64, u64, Vec<(usize, u64, u64)>)> {
     })
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(512))]
-
-    /// Whatever the interleaving, everything a fleet with leases
-    /// admitted is something one exact bucket admits in full: no
-    /// over-admission. (What it refused beyond the exact bucket is
-    /// the expired tokens: measured, not bounded here.)
-    #[test]
-    fn a_fleet_with_leases_never_admits_more_than_one_exact_bucket(
-        (limit, lease, instances, requests) in case(),
-    ) {
-        let rt = runtime();
-        let shared = Arc::new(MemoryStore::new(64, 1));
-        let fleet: Vec<_> = (0..instances)
-            .map(|_| Leases::new(Arc::clone(&shared), instances, 16))
-            .collect();
-        let mut now = T0;
-        let mut admitted = Vec::new();
-        let mut leased = 0;
-        for &(i, dt, cost) in &requests {
-            now += dt;
-            let check = Check::new(BucketKey(9), limit, cost, now).with_lease(lease);
-            let c = rt.block_on(fleet[i % fleet.len()].check(check)).unwrap();
-            if c.decision.unwrap().allowed {
-                admitted.push((now, cost));
-                leased += u64::from(c.source == Source::Lease);
+/// Whatever the interleaving, everything a fleet with leases admitted is
+/// something one exact bucket admits in full: no over-admission. (What it
+/// refused beyond the exact bucket is the expired tokens: measured, not
+/// bounded here.) And leases were spent: a fleet that never leased would
+/// prove nothing.
+#[test]
+fn a_fleet_with_leases_never_admits_more_than_one_exact_bucket() {
+    let mut runner = TestRunner::new(ProptestConfig::with_cases(512));
+    let leased_in_all = std::cell::Cell::new(0u64);
+    runner
+        .run(&case(), |(limit, lease, instances, requests)| {
+            let rt = runtime();
+            let shared = Arc::new(MemoryStore::new(64, 1));
+            let fleet: Vec<_> = (0..instances)
+                .map(|_| Leases::new(Arc::clone(&shared), instances, 16))
+                .collect();
+            let mut now = T0;
+            let mut admitted = Vec::new();
+            let mut leased = 0;
+            for &(i, dt, cost) in &requests {
+                now += dt;
+                let check = Check::new(BucketKey(9), limit, cost, now).with_lease(lease);
+                let c = rt.block_on(fleet[i % fleet.len()].check(check)).unwrap();
+                if c.decision.unwrap().allowed {
+                    admitted.push((now, cost));
+                    leased += u64::from(c.source == Source::Lease);
+                }
             }
-        }
-        let verdicts = exact(&limit, &admitted);
-        for (n, ok) in verdicts.iter().enumerate() {
-            prop_assert!(ok, "admission {} of {:?} is more than one bucket allows ({} from leases)", n, admitted[n], leased);
-        }
-    }
+            leased_in_all.set(leased_in_all.get() + leased);
+            let verdicts = exact(&limit, &admitted);
+            for (n, ok) in verdicts.iter().enumerate() {
+                prop_assert!(
+                    ok,
+                    "admission {} of {:?} is more than one bucket allows ({} from leases)",
+                    n,
+                    admitted[n],
+                    leased
+                );
+            }
+            Ok(())
+        })
+        .unwrap();
+    assert!(leased_in_all.get() > 0, "no case spent a lease");
 }
 
 /// The hardest interleaving for a lease: tokens held through the
@@ -133,6 +144,40 @@ fn a_take_is_granted_only_where_its_lease_can_live() {
     // A fleet whose leases fill the burst but one token: never any room.
     let tight = Limit::per_second(31, 10).unwrap();
     assert_eq!(lease_take(&tight, 1, 10, 3), None);
+}
+
+/// Above a token a microsecond, a lease needs more room to live a
+/// microsecond: the take leaves less.
+#[test]
+fn a_take_leaves_room_for_a_microsecond_at_any_rate() {
+    // 2,000,000 a second: 2 tokens refill each microsecond.
+    let fast = Limit::per_second(2_000_000, 2_000_000).unwrap();
+    let take = lease_take(&fast, 1, 10, 3).unwrap();
+    assert_eq!(take.leave, 2_000_000 - 1 - 30 - 2);
+    assert!(lease_life(&fast, take.leave, 10, 3) > 0);
+    assert_eq!(lease_life(&fast, take.leave + 1, 10, 3), 0);
+}
+
+/// The local share decides a request whose take found the store failed,
+/// and grants nothing beyond its cost: no lease is held from it, and the
+/// next request asks the store again.
+#[test]
+fn a_take_the_store_cannot_answer_is_the_local_shares_request_alone() {
+    let rt = runtime();
+    // Every call fails: the local share (this one instance's whole limit)
+    // decides them all.
+    let leases = Leases::new(super::failover(u64::MAX, 1), 1, 16);
+    let limit = Limit::per_second(100, 100).unwrap();
+    for i in 0..12u64 {
+        let check = Check::new(BucketKey(6), limit, 1, T0 + i)
+            .on_failure(FailureMode::Local)
+            .with_lease(10);
+        let c = rt.block_on(leases.check(check)).unwrap();
+        // From the fourth on, a bucket as low as the share's would grant
+        // the take's 9 more.
+        assert_eq!((c.source, c.extra), (Source::Local, 0), "request {i}");
+        assert_eq!(c.decision.unwrap().remaining, 99 - i, "the cost alone");
+    }
 }
 
 /// What a store was asked: the cost, whether it carried a take, the
