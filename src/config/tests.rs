@@ -413,6 +413,7 @@ fn a_lease_that_could_never_be_held_or_kept_exactly_is_refused() {
         ("lease = 1", "at least 2"),
         ("lease = 10", "below the burst"),
         ("lease = 4\nalgorithm = \"gcra\"", "token_bucket"),
+        ("lease = 3\ncost = 3", "above the cost 3"),
     ] {
         match Config::from_toml(&policy(extra)) {
             Err(ConfigError::Invalid { field, message }) => {
@@ -422,6 +423,17 @@ fn a_lease_that_could_never_be_held_or_kept_exactly_is_refused() {
             other => panic!("{extra}: {other:?}"),
         }
     }
+    // Three leases of 9 fit a burst of 28, but leave the shared bucket no
+    // token to refill into: no lease could ever be granted.
+    let tight = policy("lease = 9").replace("burst = 30", "burst = 28");
+    match Config::from_toml(&tight) {
+        Err(ConfigError::Invalid { field, message }) => {
+            assert_eq!(field, "policies[0].lease");
+            assert!(message.contains("plus 1 token(s) of room"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(Config::from_toml(&tight.replace("lease = 9", "lease = 8")).is_ok());
 }
 
 #[test]

@@ -9,7 +9,7 @@ use super::{Config, ConfigError};
 use crate::algorithm::Algorithm;
 use crate::failover::try_share;
 use crate::identity::ApiKeys;
-use crate::mitigation::shard_limit;
+use crate::mitigation::{lease_take, shard_limit};
 use std::time::Duration;
 
 mod policies;
@@ -113,7 +113,8 @@ pub(super) fn validate(s: Settings) -> Result<Config, ConfigError> {
         shards(i, p, &api_keys, s.ipv6_prefix)?;
         override_keys(i, p, &api_keys, s.ipv6_prefix)?;
     }
-    // A lease must be able to live: the fleet's leases fit under the burst.
+    // A lease must be able to live: the fleet's leases fit under the burst,
+    // with room left for the shared bucket to refill into.
     for (i, p) in policies.iter().enumerate() {
         if p.lease == 0 {
             continue;
@@ -123,6 +124,15 @@ pub(super) fn validate(s: Settings) -> Result<Config, ConfigError> {
             return Err(invalid(
                 field,
                 "must be 0 (off) or at least 2: a lease of one token is a plain check",
+            ));
+        }
+        if p.lease <= p.cost {
+            return Err(invalid(
+                field,
+                format!(
+                    "must be above the cost {}: a lease no dearer than the request grants nothing beyond it",
+                    p.cost
+                ),
             ));
         }
         for limit in p.limits() {
@@ -136,17 +146,23 @@ pub(super) fn validate(s: Settings) -> Result<Config, ConfigError> {
                 ));
             }
             // A sharded key leases from each sub-bucket.
-            let burst = limit.burst() / u64::from(p.shards);
-            if p.lease.saturating_mul(failover.instances) >= burst {
+            let sub = shard_limit(&limit, p.shards).unwrap_or(limit);
+            if lease_take(&sub, 0, p.lease, failover.instances).is_none() {
+                let burst = sub.burst();
                 let what = if p.shards > 1 {
                     format!("a sub-bucket's burst {burst} (burst / shards)")
                 } else {
                     format!("the burst {burst}")
                 };
+                // A token of room, more above a token a microsecond.
+                let room = sub
+                    .rate_units_per_us()
+                    .max(1)
+                    .div_ceil(sub.units_per_token());
                 return Err(invalid(
                     field,
                     format!(
-                        "{} instances (failure.instances) x lease {} must stay below {what}: leases held by the whole fleet must fit in one bucket",
+                        "{} instances (failure.instances) x lease {}, plus {room} token(s) of room to refill, must stay below {what}: leases held by the whole fleet must fit in one bucket",
                         failover.instances, p.lease,
                     ),
                 ));
