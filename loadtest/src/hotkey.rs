@@ -5,7 +5,7 @@
 //! surge (`scripts/drill`), so the run shows it working while the surge
 //! goes on.
 //!
-//! The surge is paced (`--surge-rate`, over all its users) rather than
+//! The surge is paced (`--surge-rate`, over all its connections) rather than
 //! flat out: while its node is saturated it goes no faster than its
 //! answers, as any client; once a mitigation answers it quickly, it keeps
 //! its pace instead of taking every core of the machine, so what the run
@@ -50,7 +50,7 @@ pub struct HotkeyArgs {
     /// What makes the key hot
     #[arg(long, value_enum, default_value_t = Cause::Tenant)]
     pub cause: Cause,
-    /// The surge's pace, requests per second over all its users (it goes
+    /// The surge's pace, requests per second over all its connections (it goes
     /// slower only when its answers do) [default: 8000; partner: 650]
     #[arg(long)]
     pub surge_rate: Option<u64>,

@@ -7,9 +7,10 @@
 //! Users come in classes (see `traffic.rs`): tenants picking API keys by
 //! Zipf popularity, a few abusive tenants far over their limits, anonymous
 //! clients each connecting from its own loopback address (nginx keys them
-//! by it), and for `hotkey` the surge, idle outside its window. Each class
-//! has a goose scenario; goose's `-u` splits users across them by the
-//! weights here.
+//! by it), and for `hotkey` the surge, idle outside its window. Each
+//! healthy class has a goose scenario; goose's `-u` splits users across
+//! them by the weights here. The surge, most of a run's requests, has a
+//! lighter client of its own (`scenario/surge.rs`).
 
 use crate::results::{self, Table};
 use crate::traffic::{self, Class, Counts, Latency, Route, Tally, Tenant, Verdict, Zipf};
@@ -20,11 +21,13 @@ use goose::prelude::*;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::collections::BTreeMap;
-use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
+
+mod surge;
 
 /// What both scenarios take, besides goose's own flags.
 #[derive(Debug, Args)]
@@ -80,13 +83,14 @@ const MIXED_USERS: [(Class, usize); 3] = [
     (Class::Abusive, 2),
     (Class::Anonymous, 10),
 ];
-const SURGE_USERS: usize = 24;
+/// The surge's connections (its pace is `--surge-rate`, over them all).
+const SURGE_CONNECTIONS: u64 = 24;
 
 /// Think time between one user's requests, per class: tenants ~10/s each,
 /// abusive tenants ~50/s each (five times their limit, and each a key over
 /// its limit on a node with room: the limiter working, not an incident),
-/// anonymous clients ~1/s (within their per-address limit of 2/s), the
-/// surge flat out.
+/// anonymous clients ~1/s (within their per-address limit of 2/s). The
+/// surge keeps its own pace.
 fn wait_time(class: Class) -> (Duration, Duration) {
     let ms = Duration::from_millis;
     match class {
@@ -128,7 +132,7 @@ pub struct Surge {
     pub until: Duration,
     /// When the mitigation takes over, within the window, if it does.
     pub mitigated: Option<Duration>,
-    /// Requests per second over all its users, at most: a client with a
+    /// Requests per second over all its connections, at most: a client with a
     /// pace of its own, which goes slower only when its answers do.
     pub rate: f64,
 }
@@ -234,9 +238,6 @@ impl Run {
 #[derive(Debug, Clone)]
 struct UserState {
     rng: SmallRng,
-    /// The surge's stand-in for its users' own addresses (`proxy` cause):
-    /// what a front proxy would forward, and nginx discards.
-    forwarded_for: Option<IpAddr>,
 }
 
 /// The host goose will target.
@@ -283,61 +284,56 @@ pub(crate) fn resolve(path: &std::path::Path) -> PathBuf {
 async fn setup(user: &mut GooseUser, class: Class) -> TransactionResult {
     let run = run_state();
     let n = run.next_address.fetch_add(1, Ordering::Relaxed);
-    let cause = run.surge.as_ref().map(|s| s.cause);
-    let who = match class {
-        Class::Surge => cause.map(traffic::SurgeClient::of),
-        _ => None,
-    };
     let mut builder = reqwest::Client::builder()
         .timeout(Duration::from_secs(10))
-        .user_agent(who.as_ref().map_or("loadtest", |w| w.user_agent));
-    if run.bind {
-        // Anonymous clients each have an address; the surge's clients
-        // come from where its cause says (the access log tells them apart).
-        let address = match &who {
-            Some(w) => Some(w.address(n)),
-            None => (class == Class::Anonymous).then(|| traffic::client_address(n)),
-        };
-        if let Some(address) = address {
-            builder = builder.local_address(address);
-        }
+        .user_agent("loadtest");
+    // Anonymous clients each have an address.
+    if run.bind && class == Class::Anonymous {
+        builder = builder.local_address(traffic::client_address(n));
     }
     user.set_client_builder(builder).await?;
-    let proxy_surge = class == Class::Surge && cause == Some(Cause::Proxy);
     user.set_session_data(UserState {
         rng: SmallRng::seed_from_u64(n.wrapping_mul(0x9e37_79b9_7f4a_7c15)),
-        forwarded_for: proxy_surge.then(|| traffic::client_address(n)),
     });
     Ok(())
 }
 
-async fn send(user: &mut GooseUser, class: Class) -> TransactionResult {
-    let run = Arc::clone(run_state());
-    let mut phase = run.phase(run.start.elapsed());
-    if class == Class::Surge {
-        if !matches!(phase, Phase::During | Phase::Mitigated) {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            return Ok(());
-        }
-        if let Some(pacer) = &run.pacer {
-            tokio::time::sleep_until(pacer.slot(Instant::now()).into()).await;
-            phase = run.phase(run.start.elapsed());
-        }
-    }
-    let state = user
-        .get_session_data_mut::<UserState>()
-        .expect("set on start");
+/// A class's next request: its route, and the API key it sends.
+fn next_request<'a>(run: &'a Run, class: Class, rng: &mut SmallRng) -> (Route, Option<&'a Tenant>) {
     // A partner's integration reads the catalogue; the others' mix
     // includes orders.
     let partner = class == Class::Surge && run.surge.as_ref().is_some_and(|s| s.cause.admitted());
-    let route = Route::pick(state.rng.random::<f64>() * if partner { 0.9 } else { 1.0 });
+    let route = Route::pick(rng.random::<f64>() * if partner { 0.9 } else { 1.0 });
     let key = match class {
-        Class::Tenant => Some(&run.tenants[run.popular.pick(state.rng.random())]),
-        Class::Abusive => Some(&run.abusive[state.rng.random_range(0..run.abusive.len())]),
+        Class::Tenant => Some(&run.tenants[run.popular.pick(rng.random())]),
+        Class::Abusive => Some(&run.abusive[rng.random_range(0..run.abusive.len())]),
         Class::Anonymous => None,
         Class::Surge => run.surge.as_ref().and_then(|s| s.key.as_ref()),
     };
-    let forwarded_for = state.forwarded_for;
+    (route, key)
+}
+
+/// Counts a `class` answer given in `phase`, `micros` after its request.
+fn record(run: &Run, class: Class, phase: Phase, micros: u64, verdict: &Verdict) {
+    run.tally.record(class, verdict);
+    let phase = phase as usize;
+    if class == Class::Surge {
+        run.surging[phase].record(micros);
+    } else {
+        run.others[phase].record(micros);
+    }
+    if let Verdict::Unavailable(why) | Verdict::Broken(why) = verdict {
+        run.note_error(why);
+    }
+}
+
+async fn send(user: &mut GooseUser, class: Class) -> TransactionResult {
+    let run = Arc::clone(run_state());
+    let phase = run.phase(run.start.elapsed());
+    let state = user
+        .get_session_data_mut::<UserState>()
+        .expect("set on start");
+    let (route, key) = next_request(&run, class, &mut state.rng);
     let path = route.path();
     let method = match route {
         Route::Order(_) => GooseMethod::Post,
@@ -347,13 +343,10 @@ async fn send(user: &mut GooseUser, class: Class) -> TransactionResult {
     if let Some(tenant) = key {
         builder = builder.header("x-api-key", &tenant.key);
     }
-    if let Some(addr) = forwarded_for {
-        builder = builder.header("x-forwarded-for", addr.to_string());
-    }
-    if let Route::Order(item) = route {
+    if let Some(body) = route.body() {
         builder = builder
             .header("content-type", "application/json")
-            .body(format!("{{\"item_id\":{item},\"quantity\":1}}"));
+            .body(body);
     }
     let request = GooseRequest::builder()
         .method(method)
@@ -368,18 +361,11 @@ async fn send(user: &mut GooseUser, class: Class) -> TransactionResult {
         Ok(response) => traffic::check(response.status().as_u16(), response.headers()),
         Err(e) => Verdict::Unavailable(format!("transport: {}", short_error(e))),
     };
-    run.tally.record(class, &verdict);
-    let phase = phase as usize;
-    if class == Class::Surge {
-        run.surging[phase].record(micros);
-    } else {
-        run.others[phase].record(micros);
-    }
+    record(&run, class, phase, micros, &verdict);
     match verdict {
         Verdict::Admitted => Ok(()),
         Verdict::Throttled => user.set_success(&mut goose.request),
         Verdict::Unavailable(why) | Verdict::Broken(why) => {
-            run.note_error(&why);
             user.set_failure(&why, &mut goose.request, None, None)
         }
     }
@@ -412,7 +398,6 @@ class_transactions! {
     setup_tenant, send_tenant => Class::Tenant;
     setup_abusive, send_abusive => Class::Abusive;
     setup_anonymous, send_anonymous => Class::Anonymous;
-    setup_surge, send_surge => Class::Surge;
 }
 
 fn scenario_for(class: Class, weight: usize) -> Result<Scenario, GooseError> {
@@ -420,7 +405,7 @@ fn scenario_for(class: Class, weight: usize) -> Result<Scenario, GooseError> {
         Class::Tenant => (transaction!(setup_tenant), transaction!(send_tenant)),
         Class::Abusive => (transaction!(setup_abusive), transaction!(send_abusive)),
         Class::Anonymous => (transaction!(setup_anonymous), transaction!(send_anonymous)),
-        Class::Surge => (transaction!(setup_surge), transaction!(send_surge)),
+        Class::Surge => unreachable!("the surge has a client of its own"),
     };
     let (min, max) = wait_time(class);
     Ok(Scenario::new(class.name())
@@ -532,15 +517,23 @@ pub async fn run(
     RUN.set(Arc::clone(&state))
         .map_err(|_| anyhow::anyhow!("one scenario per process"))?;
 
-    let mut classes: Vec<(Class, usize)> = MIXED_USERS.to_vec();
-    if surge.is_some() {
-        classes.push((Class::Surge, SURGE_USERS));
-    }
+    let classes: Vec<(Class, usize)> = MIXED_USERS.to_vec();
     let users: usize = classes.iter().map(|(_, w)| w).sum();
     let report_file = match args.goose.report_file.first() {
         Some(theirs) => PathBuf::from(theirs),
         None => dir.join("goose.html"),
     };
+    // The Host header the surge sends: the target's, as goose's users send it.
+    let host = reqwest::Url::parse(&target(&args.goose))
+        .ok()
+        .and_then(|url| {
+            let name = url.host_str()?.to_owned();
+            Some(match url.port() {
+                Some(port) => format!("{name}:{port}"),
+                None => name,
+            })
+        })
+        .unwrap_or_else(|| addr.to_string());
     let mut attack = GooseAttack::initialize_with_config(*args.goose)?;
     for (class, weight) in &classes {
         attack = attack.register_scenario(scenario_for(*class, *weight)?);
@@ -561,12 +554,17 @@ pub async fn run(
         )?;
 
     println!(
-        "{scenario}: {users} users by default ({}) for {}s against {addr}; results in {}",
+        "{scenario}: {users} users by default ({}){} for {}s against {addr}; results in {}",
         classes
             .iter()
             .map(|(c, w)| format!("{w} {}", c.name()))
             .collect::<Vec<_>>()
             .join(", "),
+        if surge.is_some() {
+            format!(", and the surge's {SURGE_CONNECTIONS} connections")
+        } else {
+            String::new()
+        },
         run_time.as_secs(),
         dir.display()
     );
@@ -591,14 +589,27 @@ pub async fn run(
             }
         }
     });
-    let metrics = attack.execute().await?;
+    let surging = match surge {
+        Some(_) => Some(
+            surge::Surging::start(Arc::clone(&state), addr, host, SURGE_CONNECTIONS)
+                .context("cannot start the surge's client")?,
+        ),
+        None => None,
+    };
+    let metrics = attack.execute().await;
     schedule.abort();
+    if let Some(surging) = surging {
+        surging.stop();
+    }
+    let metrics = metrics?;
     let ended_at = SystemTime::now();
     drop(metrics);
 
     let counts: Vec<(Class, Counts)> = classes
         .iter()
-        .map(|(c, _)| (*c, state.tally.get(*c)))
+        .map(|(c, _)| *c)
+        .chain(surge.is_some().then_some(Class::Surge))
+        .map(|c| (c, state.tally.get(c)))
         .collect();
     let errors = state
         .errors

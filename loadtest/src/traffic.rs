@@ -178,6 +178,14 @@ impl Route {
         }
     }
 
+    /// The JSON body an order sends (the other routes send none).
+    pub fn body(self) -> Option<String> {
+        match self {
+            Route::Order(item) => Some(format!("{{\"item_id\":{item},\"quantity\":1}}")),
+            _ => None,
+        }
+    }
+
     /// The name goose reports the request under (one per route template;
     /// goose adds the method).
     pub fn name(self) -> &'static str {
