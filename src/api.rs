@@ -19,17 +19,19 @@
 
 use crate::config::HttpConfig;
 use crate::failover::{BreakerHandle, BreakerState, DEGRADED_SHARE, RecentShare};
-use crate::headers::Problem;
+use crate::headers::{self, Problem};
 use crate::limiter::CurrentLimiter;
 use crate::metrics as m;
 use crate::middleware::{Front, Peer, RouteTable, Verdict};
 use crate::store::{FailureMode, Store};
 use axum::Json;
+use axum::body::Body;
 use axum::extract::rejection::{JsonRejection, PathRejection};
 use axum::extract::{DefaultBodyLimit, Extension, Path, State};
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
+use bytes::{BufMut, BytesMut};
 use http::Method;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
@@ -136,8 +138,32 @@ const ITEMS: [Item; 3] = [
 
 /// `GET /api/items`: the catalogue. Public so that `loadtest http-cost`'s
 /// peers (`benches/peers/peer_*.rs`) serve the very same body.
-pub async fn list_items() -> Json<&'static [Item]> {
-    Json(&ITEMS)
+pub async fn list_items() -> Response {
+    json(StatusCode::OK, &ITEMS)
+}
+
+/// `application/json`.
+const APPLICATION_JSON: HeaderValue = HeaderValue::from_static("application/json");
+
+/// `value` as a JSON answer of `status`, serialized as axum's `Json`
+/// serializes, in a response with room for every field the limiter adds
+/// ([`headers::answer`]).
+fn json<T: Serialize + ?Sized>(status: StatusCode, value: &T) -> Response {
+    let mut body = BytesMut::with_capacity(128).writer();
+    match serde_json::to_writer(&mut body, value) {
+        Ok(()) => headers::answer(
+            status,
+            APPLICATION_JSON,
+            Body::from(body.into_inner().freeze()),
+        ),
+        // Our own types always serialize; if one did not, it is our fault.
+        Err(e) => problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "Internal Server Error",
+            e.to_string(),
+        ),
+    }
 }
 
 fn problem(status: StatusCode, slug: &str, title: &'static str, detail: String) -> Response {
@@ -163,7 +189,7 @@ async fn get_item(id: Result<Path<u32>, PathRejection>) -> Response {
         Err(e) => return rejection(e.status(), e.body_text()),
     };
     match ITEMS.iter().find(|i| i.id == id) {
-        Some(item) => Json(item).into_response(),
+        Some(item) => json(StatusCode::OK, item),
         None => problem(
             StatusCode::NOT_FOUND,
             "not-found",
@@ -217,18 +243,21 @@ async fn create_order(
         quantity: order.quantity,
         instance: Arc::clone(&state.instance_id),
     };
-    (StatusCode::CREATED, Json(created)).into_response()
+    json(StatusCode::CREATED, &created)
 }
 
-async fn status(State(state): State<AppState>) -> Json<serde_json::Value> {
+async fn status(State(state): State<AppState>) -> Response {
     let limiter = state.limiter.get();
-    Json(serde_json::json!({
-        "instance": &*state.instance_id,
-        "backend": limiter.backend(),
-        "config_generation": state.limiter.generation(),
-        "trusted_proxies": limiter.trusted_proxies().iter().map(ToString::to_string).collect::<Vec<_>>(),
-        "policies": limiter.policy_names(),
-    }))
+    json(
+        StatusCode::OK,
+        &serde_json::json!({
+            "instance": &*state.instance_id,
+            "backend": limiter.backend(),
+            "config_generation": state.limiter.generation(),
+            "trusted_proxies": limiter.trusted_proxies().iter().map(ToString::to_string).collect::<Vec<_>>(),
+            "policies": limiter.policy_names(),
+        }),
+    )
 }
 
 /// Unknown routes: 404 problem+json.
@@ -385,7 +414,7 @@ async fn readyz(State(state): State<AppState>) -> Response {
         body["breaker_opens"] = r.breaker_opens.into();
     }
     if error.is_none() && !on_fallback {
-        return Json(body).into_response();
+        return json(StatusCode::OK, &body);
     }
     body["status"] = "degraded".into();
     body["failure_mode"] = mode.as_str().into();
@@ -397,7 +426,7 @@ async fn readyz(State(state): State<AppState>) -> Response {
     } else {
         StatusCode::OK
     };
-    (status, Json(body)).into_response()
+    json(status, &body)
 }
 
 async fn metrics(State(state): State<AppState>) -> impl IntoResponse {

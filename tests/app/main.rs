@@ -510,3 +510,30 @@ async fn the_decision_endpoint_answers_for_another_services_request() {
         assert!(body.contains(why), "{body}");
     }
 }
+
+/// The sample API's answers are made with room for every field an
+/// admitted, limited answer ends up with, so the header map never grows on
+/// the request path: the handler's map holds `ANSWER_FIELDS`, and an
+/// answer that went through the limiter has no more than that.
+#[tokio::test]
+async fn answers_are_made_with_room_for_the_limiters_fields() {
+    use axum::response::IntoResponse;
+    use ratelimiter::headers::ANSWER_FIELDS;
+    let made = ratelimiter::api::list_items().await.into_response();
+    assert!(
+        made.headers().capacity() >= ANSWER_FIELDS,
+        "made with room for {} fields",
+        made.headers().capacity()
+    );
+    let app = example_app();
+    let key = [("x-api-key", "demo-key-a")];
+    let (status, h, _) = send(&app, request("GET", "/api/items", &key, None)).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(h.contains_key("ratelimit") && h.contains_key("x-instance-id"));
+    assert!(
+        h.len() <= ANSWER_FIELDS,
+        "{} fields: {:?}",
+        h.len(),
+        h.keys().collect::<Vec<_>>()
+    );
+}
