@@ -76,30 +76,48 @@ impl Cause {
     }
 }
 
+/// The classes goose drives, each a scenario of its own users (the surge
+/// has a client of its own, [`surge::Surging`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Users {
+    Tenant,
+    Abusive,
+    Anonymous,
+}
+
+impl Users {
+    fn class(self) -> Class {
+        match self {
+            Users::Tenant => Class::Tenant,
+            Users::Abusive => Class::Abusive,
+            Users::Anonymous => Class::Anonymous,
+        }
+    }
+
+    /// Think time between one user's requests: tenants ~10/s each,
+    /// abusive tenants ~50/s each (five times their limit, and each a key
+    /// over its limit on a node with room: the limiter working, not an
+    /// incident), anonymous clients ~1/s (within their per-address limit
+    /// of 2/s).
+    fn wait_time(self) -> (Duration, Duration) {
+        let ms = Duration::from_millis;
+        match self {
+            Users::Tenant => (ms(50), ms(150)),
+            Users::Abusive => (ms(15), ms(25)),
+            Users::Anonymous => (ms(500), ms(1500)),
+        }
+    }
+}
+
 /// The user weights per class: goose gives each scenario this share of
 /// `-u` (the default `-u` is their sum).
-const MIXED_USERS: [(Class, usize); 3] = [
-    (Class::Tenant, 12),
-    (Class::Abusive, 2),
-    (Class::Anonymous, 10),
+const MIXED_USERS: [(Users, usize); 3] = [
+    (Users::Tenant, 12),
+    (Users::Abusive, 2),
+    (Users::Anonymous, 10),
 ];
 /// The surge's connections (its pace is `--surge-rate`, over them all).
 const SURGE_CONNECTIONS: u64 = 24;
-
-/// Think time between one user's requests, per class: tenants ~10/s each,
-/// abusive tenants ~50/s each (five times their limit, and each a key over
-/// its limit on a node with room: the limiter working, not an incident),
-/// anonymous clients ~1/s (within their per-address limit of 2/s). The
-/// surge keeps its own pace.
-fn wait_time(class: Class) -> (Duration, Duration) {
-    let ms = Duration::from_millis;
-    match class {
-        Class::Tenant => (ms(50), ms(150)),
-        Class::Abusive => (ms(15), ms(25)),
-        Class::Anonymous => (ms(500), ms(1500)),
-        Class::Surge => (ms(0), ms(0)),
-    }
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Phase {
@@ -281,14 +299,14 @@ pub(crate) fn resolve(path: &std::path::Path) -> PathBuf {
     path.to_path_buf()
 }
 
-async fn setup(user: &mut GooseUser, class: Class) -> TransactionResult {
+async fn setup(user: &mut GooseUser, users: Users) -> TransactionResult {
     let run = run_state();
     let n = run.next_address.fetch_add(1, Ordering::Relaxed);
     let mut builder = reqwest::Client::builder()
         .timeout(Duration::from_secs(10))
         .user_agent("loadtest");
     // Anonymous clients each have an address.
-    if run.bind && class == Class::Anonymous {
+    if run.bind && users == Users::Anonymous {
         builder = builder.local_address(traffic::client_address(n));
     }
     user.set_client_builder(builder).await?;
@@ -327,7 +345,8 @@ fn record(run: &Run, class: Class, phase: Phase, micros: u64, verdict: &Verdict)
     }
 }
 
-async fn send(user: &mut GooseUser, class: Class) -> TransactionResult {
+async fn send(user: &mut GooseUser, users: Users) -> TransactionResult {
+    let class = users.class();
     let run = Arc::clone(run_state());
     let phase = run.phase(run.start.elapsed());
     let state = user
@@ -395,20 +414,19 @@ macro_rules! class_transactions {
 }
 
 class_transactions! {
-    setup_tenant, send_tenant => Class::Tenant;
-    setup_abusive, send_abusive => Class::Abusive;
-    setup_anonymous, send_anonymous => Class::Anonymous;
+    setup_tenant, send_tenant => Users::Tenant;
+    setup_abusive, send_abusive => Users::Abusive;
+    setup_anonymous, send_anonymous => Users::Anonymous;
 }
 
-fn scenario_for(class: Class, weight: usize) -> Result<Scenario, GooseError> {
-    let (setup, send) = match class {
-        Class::Tenant => (transaction!(setup_tenant), transaction!(send_tenant)),
-        Class::Abusive => (transaction!(setup_abusive), transaction!(send_abusive)),
-        Class::Anonymous => (transaction!(setup_anonymous), transaction!(send_anonymous)),
-        Class::Surge => unreachable!("the surge has a client of its own"),
+fn scenario_for(users: Users, weight: usize) -> Result<Scenario, GooseError> {
+    let (setup, send) = match users {
+        Users::Tenant => (transaction!(setup_tenant), transaction!(send_tenant)),
+        Users::Abusive => (transaction!(setup_abusive), transaction!(send_abusive)),
+        Users::Anonymous => (transaction!(setup_anonymous), transaction!(send_anonymous)),
     };
-    let (min, max) = wait_time(class);
-    Ok(Scenario::new(class.name())
+    let (min, max) = users.wait_time();
+    Ok(Scenario::new(users.class().name())
         .set_weight(weight)?
         .set_wait_time(min, max)?
         .register_transaction(setup.set_on_start())
@@ -517,7 +535,7 @@ pub async fn run(
     RUN.set(Arc::clone(&state))
         .map_err(|_| anyhow::anyhow!("one scenario per process"))?;
 
-    let classes: Vec<(Class, usize)> = MIXED_USERS.to_vec();
+    let classes: Vec<(Users, usize)> = MIXED_USERS.to_vec();
     let users: usize = classes.iter().map(|(_, w)| w).sum();
     let report_file = match args.goose.report_file.first() {
         Some(theirs) => PathBuf::from(theirs),
@@ -557,7 +575,7 @@ pub async fn run(
         "{scenario}: {users} users by default ({}){} for {}s against {addr}; results in {}",
         classes
             .iter()
-            .map(|(c, w)| format!("{w} {}", c.name()))
+            .map(|(c, w)| format!("{w} {}", c.class().name()))
             .collect::<Vec<_>>()
             .join(", "),
         if surge.is_some() {
@@ -607,7 +625,7 @@ pub async fn run(
 
     let counts: Vec<(Class, Counts)> = classes
         .iter()
-        .map(|(c, _)| *c)
+        .map(|(c, _)| c.class())
         .chain(surge.is_some().then_some(Class::Surge))
         .map(|c| (c, state.tally.get(c)))
         .collect();
