@@ -182,6 +182,7 @@ pub async fn run(args: CapacityArgs) -> anyhow::Result<()> {
         "CPU % (of all cores)",
         "instance cores",
         "instance CPU us per request",
+        "generator CPU us per request",
         "errors",
         "bound by",
     ]);
@@ -228,6 +229,11 @@ pub async fn run(args: CapacityArgs) -> anyhow::Result<()> {
                 format!("{:.2}", row.instance_cores),
                 if row.point.achieved > 0.0 {
                     format!("{:.1}", cpu_per_request(&row))
+                } else {
+                    "-".into()
+                },
+                if row.generator_us.is_finite() {
+                    format!("{:.1}", row.generator_us)
                 } else {
                     "-".into()
                 },

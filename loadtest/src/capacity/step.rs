@@ -83,6 +83,10 @@ pub(super) struct Row {
     pub(super) check_p99: Option<f64>,
     pub(super) instance_cores: f64,
     pub(super) errors: u64,
+    /// This process's CPU time per request it sent, microseconds: the load
+    /// generator's cost, and for the Lua variants also the latency proxy's,
+    /// which runs in it.
+    pub(super) generator_us: f64,
 }
 
 async fn scrape(http: &reqwest::Client, base: &str) -> Vec<(f64, f64)> {
@@ -114,6 +118,7 @@ pub(super) async fn step(
     let before = scrape(http, &v.base).await;
     let cpu_before = cpu_of(&v.sharing);
     let proc_before = process_cpu(v.pid);
+    let own_before = process_cpu(std::process::id());
     let start = Instant::now();
     let interval = Duration::from_secs_f64(1.0 / rate.max(1) as f64);
     let until = start + Duration::from_secs_f64(seconds);
@@ -182,6 +187,11 @@ pub(super) async fn step(
         _ => f64::NAN,
     };
     let done = ok.load(Ordering::Relaxed);
+    let failed = errors.load(Ordering::Relaxed);
+    let generator_us = match (own_before, process_cpu(std::process::id())) {
+        (Some(a), Some(b)) if done + failed > 0 => (b - a) / (done + failed) as f64 * 1e6,
+        _ => f64::NAN,
+    };
     Row {
         point: Point {
             offered: rate as f64,
@@ -199,6 +209,7 @@ pub(super) async fn step(
         check_p50: quantile_between(&before, &after, 0.5),
         check_p99: quantile_between(&before, &after, 0.99),
         instance_cores: cores,
-        errors: errors.load(Ordering::Relaxed),
+        errors: failed,
+        generator_us,
     }
 }

@@ -295,6 +295,14 @@ fn capacity_measures_every_variant_and_writes_its_results() {
             "{csv}"
         );
     }
+    // The generator's own CPU a request, read in clock ticks: a short step
+    // may read none, the whole run cannot.
+    let generator: Vec<f64> = rows
+        .iter()
+        .map(|row| row[col("generator CPU us per request")].parse().unwrap())
+        .collect();
+    assert!(generator.iter().all(|us| *us >= 0.0), "{csv}");
+    assert!(generator.iter().sum::<f64>() > 0.0, "{csv}");
     let lua: Vec<&Vec<&str>> = rows.iter().filter(|r| r[0].starts_with("lua")).collect();
     assert_eq!(lua.len(), 4);
     for row in &lua {
