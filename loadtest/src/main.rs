@@ -34,6 +34,7 @@ mod compare;
 mod cpu;
 mod drill;
 mod hotkey;
+mod http1;
 mod httpcost;
 mod instances;
 mod luabench;

@@ -1,8 +1,9 @@
 //! The load generator of `http-cost`: closed-loop HTTP/1.1 keep-alive
-//! connections with a minimal client of their own (no HTTP library
-//! between the socket and the measurement), driven by one thread that
-//! never sleeps or by a thread each asleep in `read` ([`Client`]), and
-//! the servers' CPU read from `/proc` around the measured requests.
+//! connections with a minimal client of their own (answers read by
+//! [`crate::http1::parse`], no HTTP library between the socket and the
+//! measurement), driven by one thread that never sleeps or by a thread
+//! each asleep in `read` ([`Client`]), and the servers' CPU read from
+//! `/proc` around the measured requests.
 
 use super::HttpCostArgs;
 use crate::capacity::{CpuTimes, process_times};
@@ -71,24 +72,11 @@ fn read_more(stream: &mut TcpStream, buf: &mut Vec<u8>) -> anyhow::Result<bool> 
 /// The answer in `buf`, once it is all there: its status and its body's
 /// range. `None` while more is to come.
 fn answer(buf: &[u8]) -> anyhow::Result<Option<(u16, std::ops::Range<usize>)>> {
-    let Some(head_end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
-        return Ok(None);
-    };
-    let head_end = head_end + 4;
-    let head = std::str::from_utf8(&buf[..head_end])?;
-    let status: u16 = head
-        .get(9..12)
-        .and_then(|s| s.parse().ok())
-        .with_context(|| format!("not an HTTP answer: {head:?}"))?;
-    let length: usize = head
-        .lines()
-        .find_map(|l| {
-            let (name, value) = l.split_once(':')?;
-            name.eq_ignore_ascii_case("content-length")
-                .then(|| value.trim().parse().ok())?
-        })
-        .with_context(|| format!("no Content-Length: {head:?}"))?;
-    Ok((buf.len() >= head_end + length).then_some((status, head_end..head_end + length)))
+    let answer = crate::http1::parse(buf, |status, _| status).map_err(|why| {
+        let head = String::from_utf8_lossy(&buf[..buf.len().min(200)]);
+        anyhow::anyhow!("not an HTTP answer ({why}): {head:?}")
+    })?;
+    Ok(answer.map(|a| (a.read, a.body)))
 }
 
 /// What one connection saw.
@@ -415,9 +403,9 @@ mod tests {
     }
 
     #[test]
-    fn what_is_not_an_answer_with_a_length_is_an_error() {
+    fn what_is_not_an_answer_whose_end_can_be_told_is_an_error() {
         assert!(answer(b"SSH-2.0-OpenSSH\r\n\r\n").is_err());
-        assert!(answer(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n").is_err());
+        assert!(answer(b"HTTP/1.1 200 OK\r\nserver: x\r\n\r\n").is_err());
     }
 
     /// Reads `conn` until `done` says so, each read's result checked by it;

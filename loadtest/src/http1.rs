@@ -1,0 +1,396 @@
+//! The load generators' own HTTP/1.1: the few lines of it that a client on
+//! keep-alive connections needs, as wrk's are. A request is written from
+//! one buffer; the answer's head is parsed in place by `httparse` and its
+//! body skipped (a `Content-Length` or chunked body). No connection task,
+//! channel, header map or body stream of a general client stands between
+//! the socket and the measurement: at thousands of requests a second on 2
+//! cores, those are what made the generator, not the system under test,
+//! the thing that saturated (docs/load.md, docs/capacity.md).
+//!
+//! [`parse`] reads an answer from bytes (the `http-cost` driver's
+//! blocking connections use it alone); [`Client`] is one connection of an
+//! async generator (`hotkey`'s surge, `capacity`), reopened when needed.
+
+use crate::traffic;
+use std::net::{IpAddr, SocketAddr};
+use std::ops::Range;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
+use tokio::net::TcpStream;
+
+/// An answer's header fields as [`traffic::check`] reads them (names are
+/// case insensitive; a value that is no UTF-8 is absent).
+pub(crate) struct Fields<'a>(&'a [httparse::Header<'a>]);
+
+impl traffic::Headers for Fields<'_> {
+    fn get(&self, name: &str) -> Option<&str> {
+        self.0
+            .iter()
+            .find(|h| h.name.eq_ignore_ascii_case(name))
+            .and_then(|h| std::str::from_utf8(h.value).ok())
+    }
+}
+
+/// The most header fields an answer may carry.
+const MAX_FIELDS: usize = 32;
+
+/// A whole answer at the start of some bytes.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Answer<T> {
+    /// What the caller read from its status and fields.
+    pub(crate) read: T,
+    /// Its body (for a chunked one, the chunks with their framing); the
+    /// answer ends where the body does.
+    pub(crate) body: Range<usize>,
+    /// The server closes the connection after it.
+    pub(crate) close: bool,
+}
+
+/// The answer at the start of `bytes` once all of it is there, with what
+/// `read` makes of its status and fields; `None` while more is to come.
+/// An answer whose end cannot be told (no length, not chunked) is an
+/// error: on a keep-alive connection it would end only with the
+/// connection.
+pub(crate) fn parse<T>(
+    bytes: &[u8],
+    read: impl FnOnce(u16, &Fields) -> T,
+) -> Result<Option<Answer<T>>, &'static str> {
+    let mut fields = [httparse::EMPTY_HEADER; MAX_FIELDS];
+    let mut response = httparse::Response::new(&mut fields);
+    let head = match response.parse(bytes) {
+        Ok(httparse::Status::Complete(length)) => length,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(_) => return Err("response"),
+    };
+    let status = response.code.ok_or("response")?;
+    let fields = Fields(response.headers);
+    let field = |name| traffic::Headers::get(&fields, name).map(str::trim);
+    let rest = &bytes[head..];
+    let length = if field("transfer-encoding").is_some_and(|t| t.eq_ignore_ascii_case("chunked")) {
+        chunked_end(rest)?
+    } else {
+        let length = match field("content-length") {
+            Some(n) => n.parse().map_err(|_| "response")?,
+            // A 1xx, 204 or 304 has no body.
+            None if status == 204 || status == 304 || status < 200 => 0,
+            None => return Err("response"),
+        };
+        (rest.len() >= length).then_some(length)
+    };
+    let Some(length) = length else {
+        return Ok(None);
+    };
+    let close = field("connection").is_some_and(|c| c.eq_ignore_ascii_case("close"));
+    Ok(Some(Answer {
+        read: read(status, &fields),
+        body: head..head + length,
+        close,
+    }))
+}
+
+/// Where a chunked body that starts at `bytes[0]` ends (past its last
+/// chunk and an empty trailer), `None` while it is partial.
+fn chunked_end(bytes: &[u8]) -> Result<Option<usize>, &'static str> {
+    let mut at = 0;
+    loop {
+        let (line, size) = match httparse::parse_chunk_size(&bytes[at..]) {
+            Ok(httparse::Status::Complete(chunk)) => chunk,
+            Ok(httparse::Status::Partial) => return Ok(None),
+            Err(_) => return Err("body"),
+        };
+        let size = usize::try_from(size).map_err(|_| "body")?;
+        at += line;
+        if size == 0 {
+            // No trailer fields from our servers: the body ends at the
+            // empty line after the last chunk.
+            return Ok((bytes.len() >= at + 2).then_some(at + 2));
+        }
+        // The chunk's data and its CRLF.
+        let next = at
+            .checked_add(size)
+            .and_then(|n| n.checked_add(2))
+            .ok_or("body")?;
+        if bytes.len() < next {
+            return Ok(None);
+        }
+        at = next;
+    }
+}
+
+/// One client of an async load generator: a keep-alive connection to its
+/// target, opened when first needed and again after the server closed it
+/// or an exchange failed; one request at a time.
+pub(crate) struct Client {
+    target: SocketAddr,
+    /// The address it connects from (a client address of its own).
+    local: Option<IpAddr>,
+    /// How long one exchange, connecting included, may take.
+    timeout: Duration,
+    open: Option<Connection>,
+}
+
+impl Client {
+    pub(crate) fn new(target: SocketAddr, local: Option<IpAddr>, timeout: Duration) -> Self {
+        Self {
+            target,
+            local,
+            timeout,
+            open: None,
+        }
+    }
+
+    /// Sends `request` (a whole HTTP/1.1 request) and reads its answer
+    /// whole, returning what `read` makes of its status and fields. After
+    /// an error the connection is dropped, and the next request opens
+    /// another.
+    pub(crate) async fn exchange<T>(
+        &mut self,
+        request: &[u8],
+        read: impl Fn(u16, &Fields) -> T,
+    ) -> Result<T, &'static str> {
+        let answer = tokio::time::timeout(self.timeout, self.try_exchange(request, read))
+            .await
+            .unwrap_or(Err("timeout"));
+        match answer {
+            Ok((read, close)) => {
+                if close {
+                    self.open = None;
+                }
+                Ok(read)
+            }
+            Err(why) => {
+                self.open = None;
+                Err(why)
+            }
+        }
+    }
+
+    async fn try_exchange<T>(
+        &mut self,
+        request: &[u8],
+        read: impl Fn(u16, &Fields) -> T,
+    ) -> Result<(T, bool), &'static str> {
+        let connection = match &mut self.open {
+            Some(connection) => connection,
+            open => open.insert(Connection {
+                stream: connect(self.target, self.local).await?,
+                read: Vec::with_capacity(4096),
+            }),
+        };
+        connection
+            .stream
+            .write_all(request)
+            .await
+            .map_err(|_| "request")?;
+        connection.answer(read).await
+    }
+}
+
+/// A keep-alive connection and the bytes read from it not yet used.
+struct Connection {
+    stream: TcpStream,
+    read: Vec<u8>,
+}
+
+impl Connection {
+    /// Reads one answer whole, and whether the server closes after it.
+    async fn answer<T>(
+        &mut self,
+        read: impl Fn(u16, &Fields) -> T,
+    ) -> Result<(T, bool), &'static str> {
+        let answer = loop {
+            if let Some(answer) = parse(&self.read, &read)? {
+                break answer;
+            }
+            if self.read.len() > 1 << 20 {
+                return Err("response");
+            }
+            match self.stream.read_buf(&mut self.read).await {
+                Ok(0) | Err(_) => return Err("closed"),
+                Ok(_) => {}
+            }
+        };
+        // Whatever follows belongs to the next answer (none is sent before
+        // its request, but a server may say more than it was asked).
+        self.read.drain(..answer.body.end);
+        if self.read.is_empty() {
+            // The socket is read dry: say so, or the next answer's first
+            // read would be a system call that finds nothing yet (one a
+            // request, most of them on this path). A close or an answer
+            // that arrives later is a new edge, and wakes the read again.
+            let _ = self.stream.try_io(Interest::READABLE, || {
+                Err::<(), _>(std::io::ErrorKind::WouldBlock.into())
+            });
+        }
+        Ok((answer.read, answer.close))
+    }
+}
+
+/// A connection to `target`, from `local` if given.
+async fn connect(target: SocketAddr, local: Option<IpAddr>) -> Result<TcpStream, &'static str> {
+    let socket = match target {
+        SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4(),
+        SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6(),
+    }
+    .map_err(|_| "connect")?;
+    if let Some(ip) = local {
+        socket.bind(SocketAddr::new(ip, 0)).map_err(|_| "connect")?;
+    }
+    let stream = socket.connect(target).await.map_err(|_| "connect")?;
+    stream.set_nodelay(true).map_err(|_| "connect")?;
+    Ok(stream)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::traffic::Verdict;
+
+    const FIELDS: &str = "ratelimit-limit: 5\r\nratelimit-remaining: 4\r\nratelimit-reset: 1\r\n\
+        ratelimit-policy: \"p\";q=5;w=1\r\nratelimit: \"p\";r=4;t=0\r\n";
+
+    fn answer(head: &str) -> String {
+        format!("HTTP/1.1 200 OK\r\n{FIELDS}{head}\r\n")
+    }
+
+    fn verdict(bytes: &[u8]) -> Result<Option<Answer<Verdict>>, &'static str> {
+        parse(bytes, |status, fields| traffic::check(status, fields))
+    }
+
+    #[test]
+    fn an_answer_is_taken_only_once_all_of_it_is_there() {
+        let text = answer("content-length: 2\r\n") + "[]next";
+        let end = text.len() - 4;
+        let said = verdict(text.as_bytes()).unwrap().unwrap();
+        assert_eq!(said.read, Verdict::Admitted);
+        assert_eq!(said.body, end - 2..end);
+        assert!(!said.close);
+        for cut in 0..end {
+            assert!(verdict(&text.as_bytes()[..cut]).unwrap().is_none(), "{cut}");
+        }
+    }
+
+    #[test]
+    fn an_answer_is_checked_as_goose_checks_it() {
+        let missing = "HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";
+        let said = verdict(missing.as_bytes()).unwrap().unwrap();
+        assert!(matches!(said.read, Verdict::Broken(_)), "{said:?}");
+        let limited = format!(
+            "HTTP/1.1 429 Too Many Requests\r\n{FIELDS}retry-after: 1\r\ncontent-length: 0\r\n\r\n"
+        );
+        let said = verdict(limited.as_bytes()).unwrap().unwrap();
+        assert_eq!(said.read, Verdict::Throttled);
+        let down =
+            "HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+        let said = verdict(down.as_bytes()).unwrap().unwrap();
+        assert!(matches!(said.read, Verdict::Unavailable(_)));
+        assert!(said.close);
+    }
+
+    #[test]
+    fn an_answer_whose_end_cannot_be_told_is_refused() {
+        assert!(verdict(answer("").as_bytes()).is_err());
+        let empty = "HTTP/1.1 204 No Content\r\n\r\n";
+        assert_eq!(verdict(empty.as_bytes()).unwrap().unwrap().body, 27..27);
+        assert!(verdict(b"HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n").is_err());
+        assert!(verdict(b"nonsense\r\n\r\n").is_err());
+        assert!(verdict(b"SSH-2.0-OpenSSH\r\n\r\n").is_err());
+    }
+
+    #[test]
+    fn a_chunked_body_ends_after_its_last_chunk() {
+        let text = answer("transfer-encoding: chunked\r\n");
+        let body = b"2\r\n[]\r\n10\r\n0123456789abcdef\r\n0\r\n\r\nnext";
+        let whole = [text.as_bytes(), body].concat();
+        let end = whole.len() - 4;
+        let said = verdict(&whole).unwrap().unwrap();
+        assert_eq!(said.body, text.len()..end);
+        for cut in 0..end {
+            assert!(verdict(&whole[..cut]).unwrap().is_none(), "{cut}");
+        }
+        assert_eq!(
+            chunked_end(&body[..body.len() - 4]).unwrap(),
+            Some(end - text.len())
+        );
+        assert!(chunked_end(b"zz\r\n").is_err());
+    }
+
+    /// A server that answers each request on a connection with `answers`
+    /// in turn, and then closes it; every connection it accepted counted.
+    async fn serve(
+        answers: &'static [&'static str],
+    ) -> (SocketAddr, tokio::task::JoinHandle<usize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let mut accepted = 0;
+            while let Ok(Ok((mut socket, _))) =
+                tokio::time::timeout(Duration::from_millis(500), listener.accept()).await
+            {
+                accepted += 1;
+                let mut buf = vec![0u8; 4096];
+                for answer in answers {
+                    // Every test request fits one read.
+                    match socket.read(&mut buf).await {
+                        Ok(n) if n > 0 => {}
+                        _ => break,
+                    }
+                    if socket.write_all(answer.as_bytes()).await.is_err() {
+                        break;
+                    }
+                }
+            }
+            accepted
+        });
+        (addr, server)
+    }
+
+    const REQUEST: &[u8] = b"GET / HTTP/1.1\r\nhost: test\r\n\r\n";
+
+    #[tokio::test]
+    async fn a_client_keeps_its_connection_until_the_server_closes_it() {
+        let (addr, server) = serve(&[
+            "HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n[]",
+            "HTTP/1.1 429 Too Many Requests\r\ntransfer-encoding: chunked\r\n\r\n1\r\nx\r\n0\r\n\r\n",
+            "HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
+        ])
+        .await;
+        let mut client = Client::new(addr, None, Duration::from_secs(5));
+        let status = |status: u16, _: &Fields| status;
+        let mut got = Vec::new();
+        for _ in 0..4 {
+            got.push(client.exchange(REQUEST, status).await.unwrap());
+        }
+        // Three answers on the first connection, the fourth on a second.
+        assert_eq!(got, [200, 429, 503, 200]);
+        drop(client);
+        assert_eq!(server.await.unwrap(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_client_reconnects_after_a_failed_exchange() {
+        // The server closes without a word after the first answer.
+        let (addr, server) = serve(&["HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"]).await;
+        let mut client = Client::new(addr, None, Duration::from_secs(5));
+        let status = |status: u16, _: &Fields| status;
+        assert_eq!(client.exchange(REQUEST, status).await, Ok(200));
+        assert_eq!(client.exchange(REQUEST, status).await, Err("closed"));
+        assert_eq!(client.exchange(REQUEST, status).await, Ok(200));
+        drop(client);
+        assert_eq!(server.await.unwrap(), 2);
+    }
+
+    #[tokio::test]
+    async fn an_exchange_that_takes_too_long_fails_by_its_deadline() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut client = Client::new(
+            listener.local_addr().unwrap(),
+            None,
+            Duration::from_millis(100),
+        );
+        // Accepted by the kernel, never answered.
+        let answer = client.exchange(REQUEST, |status, _| status).await;
+        assert_eq!(answer, Err("timeout"));
+        assert!(client.open.is_none(), "the connection is dropped");
+    }
+}
