@@ -32,6 +32,7 @@ mod step;
 
 pub(crate) use step::{CpuTimes, process_times};
 
+use crate::http1;
 use crate::instances;
 use crate::proxy::FaultProxy;
 use crate::results::{self, Chart, Table};
@@ -40,7 +41,7 @@ use clap::Args;
 use model::{KEPT_UP, Point, bound_by, knee, mean_in_flight, rtt_bound};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
-use step::{Row, Variant, ping_rtt, step};
+use step::{Row, Slots, Variant, ping_rtt, step};
 use testkit::{Fleet, RedisServer, TempDir};
 
 #[derive(Debug, Args)]
@@ -137,18 +138,13 @@ pub async fn run(args: CapacityArgs) -> anyhow::Result<()> {
     let lua = instances::start(1, &common("lua", &config))?;
     let generator = std::process::id();
     let redis_pid = redis.pid().context("redis-server has no pid")?;
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(5))
-        .pool_max_idle_per_host(args.in_flight)
-        .build()?;
-
     // An instance with no Redis behind it: only it and this generator
     // share the machine.
     let in_process = |name: &str, fleet: &Fleet| Variant {
         name: name.into(),
         rtt: Duration::ZERO,
         base: fleet.urls[0].clone(),
-        path: "/api/items",
+        request: request(&fleet.urls[0]),
         pid: fleet.pids()[0],
         sharing: vec![generator, fleet.pids()[0]],
     };
@@ -161,7 +157,7 @@ pub async fn run(args: CapacityArgs) -> anyhow::Result<()> {
             name: format!("lua +{rtt} ms"),
             rtt: Duration::from_secs_f64(rtt / 1000.0),
             base: lua.urls[0].clone(),
-            path: "/api/items",
+            request: request(&lua.urls[0]),
             pid: lua.pids()[0],
             sharing: vec![generator, lua.pids()[0], redis_pid],
         });
@@ -186,8 +182,42 @@ pub async fn run(args: CapacityArgs) -> anyhow::Result<()> {
         "errors",
         "bound by",
     ]);
+    // The offers and their answers run on a thread of their own, in a
+    // single-threaded runtime: an answer or an offer's tick then wakes the
+    // thread already waiting for it. On the shared runtime a worker read
+    // the readiness and woke the thread running the step, a context switch
+    // or two a request.
+    let series = std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()?
+                    .block_on(measure(&variants, &args, &proxy, &mut table))
+            })
+            .join()
+            .unwrap_or_else(|_| Err(anyhow::anyhow!("the load generator's thread panicked")))
+    })?;
+    drop((unlimited, memory, lua, proxy, redis));
+    println!("{}\n", table.markdown());
+    table.write(&dir, "capacity")?;
+    report(&series, args.in_flight, &dir)
+}
+
+/// Every variant's steps, each a row of `table`.
+async fn measure(
+    variants: &[Variant],
+    args: &CapacityArgs,
+    proxy: &FaultProxy,
+    table: &mut Table,
+) -> anyhow::Result<Series> {
+    // For the scrapes of the instance's metrics only; the offers go out on
+    // the slots' own connections.
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()?;
     let mut series: Series = Vec::new();
-    for v in &variants {
+    for v in variants {
         // Half the added round trip each way; then what a round trip to
         // Redis through the proxy really takes (the bound uses this).
         proxy.set_latency(v.rtt / 2);
@@ -196,11 +226,15 @@ pub async fn run(args: CapacityArgs) -> anyhow::Result<()> {
         } else {
             None
         };
+        let target = address(&v.base)?;
+        let mut slots: Slots = (0..args.in_flight)
+            .map(|_| http1::Client::new(target, None, Duration::from_secs(5)))
+            .collect();
         // Warm up: connections, the script cache.
-        let _ = step(&http, v, 200, 0.5, args.in_flight).await;
+        step(&http, v, &mut slots, 200, 0.5).await;
         let mut rows = Vec::new();
         for &rate in &args.rates {
-            let row = step(&http, v, rate, args.step, args.in_flight).await;
+            let row = step(&http, v, &mut slots, rate, args.step).await;
             let bound = bound_by(&row.point, measured.unwrap_or_default());
             eprintln!(
                 "capacity: {} offered {rate}/s: {:.0}/s, p99 {} ms, {}",
@@ -244,10 +278,21 @@ pub async fn run(args: CapacityArgs) -> anyhow::Result<()> {
         }
         series.push((v.name.clone(), measured, rows));
     }
-    drop((unlimited, memory, lua, proxy, redis));
-    println!("{}\n", table.markdown());
-    table.write(&dir, "capacity")?;
-    report(&series, args.in_flight, &dir)
+    Ok(series)
+}
+
+/// What every offer sends to the instance at `base`.
+fn request(base: &str) -> Vec<u8> {
+    let host = base.trim_start_matches("http://");
+    format!("GET /api/items HTTP/1.1\r\nhost: {host}\r\nx-api-key: capacity-key\r\n\r\n")
+        .into_bytes()
+}
+
+/// The socket address of the instance at `base` (`http://<ip>:<port>`).
+fn address(base: &str) -> anyhow::Result<std::net::SocketAddr> {
+    let host = base.trim_start_matches("http://");
+    host.parse()
+        .with_context(|| format!("not an instance's address: {base}"))
 }
 
 /// The instance's CPU time per request served in a step, microseconds

@@ -3,11 +3,11 @@
 //! achieved, at what latency and CPU.
 
 use super::model::{Point, check_buckets, quantile_between};
+use crate::http1;
 use crate::traffic::Latency;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
 use std::time::{Duration, Instant};
-use tokio::sync::Semaphore;
 
 /// CPU time (seconds) of a process so far, from /proc.
 fn process_cpu(pid: u32) -> Option<f64> {
@@ -68,7 +68,8 @@ pub(super) struct Variant {
     /// The round trip added by the proxy (nominal).
     pub(super) rtt: Duration,
     pub(super) base: String,
-    pub(super) path: &'static str,
+    /// The request each offer sends, whole.
+    pub(super) request: Vec<u8>,
     pub(super) pid: u32,
     /// Every process of the measurement: this one, the instance, Redis.
     pub(super) sharing: Vec<u32>,
@@ -96,89 +97,78 @@ async fn scrape(http: &reqwest::Client, base: &str) -> Vec<(f64, f64)> {
     }
 }
 
-/// Offers `rate` requests per second for `seconds`, at most `in_flight`
-/// outstanding.
+/// The in-flight slots: one keep-alive connection each, kept from step
+/// to step (a step then measures requests, not connecting).
+pub(super) type Slots = Vec<http1::Client>;
+
+/// Offers `rate` requests per second for `seconds`, each on a free slot
+/// (at most `slots.len()` outstanding).
 pub(super) async fn step(
     http: &reqwest::Client,
     v: &Variant,
+    slots: &mut Slots,
     rate: u64,
     seconds: f64,
-    in_flight: usize,
 ) -> Row {
-    let url = format!("{}{}", v.base, v.path);
-    let slots = Arc::new(Semaphore::new(in_flight));
-    let latency = Arc::new(Latency::default());
-    let mut turned_away = 0u64;
-    let mut offers = 0u64;
-    let (ok, errors, total_us) = (
-        Arc::new(AtomicU64::new(0)),
-        Arc::new(AtomicU64::new(0)),
-        Arc::new(AtomicU64::new(0)),
-    );
+    let latency = Latency::default();
+    let (mut offers, mut turned_away, mut ok, mut errors, mut total_us) = (0u64, 0, 0, 0, 0);
     let before = scrape(http, &v.base).await;
     let cpu_before = cpu_of(&v.sharing);
     let proc_before = process_cpu(v.pid);
     let own_before = process_cpu(std::process::id());
     let start = Instant::now();
-    let interval = Duration::from_secs_f64(1.0 / rate.max(1) as f64);
-    let until = start + Duration::from_secs_f64(seconds);
-    // The offers are paced by a thread of their own: tokio's timer ticks
-    // in milliseconds, so 8000/s would arrive as bursts of 8 or more, and a
-    // burst larger than the slots would be turned away by the generator,
-    // not the server. A thread sleeps to each offer's instant (the OS's
-    // high-resolution timer) and hands it over.
-    let (offer, mut offered) = tokio::sync::mpsc::unbounded_channel::<()>();
-    let pacer = std::thread::spawn(move || {
-        let mut next = start;
-        while next < until {
-            let now = Instant::now();
-            if next > now {
-                std::thread::sleep(next - now);
-            }
-            if offer.send(()).is_err() {
-                break;
-            }
-            next += interval;
+    let total = (seconds * rate as f64).ceil() as u64;
+    // tokio's own timer ticks in milliseconds, so 8000 offers a second
+    // would come as bursts of 8 or more, and a burst larger than the slots
+    // would be turned away by the generator, not the server. The kernel's
+    // timer (a timerfd) keeps each offer's instant, and being a descriptor
+    // it wakes the same `epoll_wait` the answers do: a thread that slept to
+    // each instant and handed it over cost a context switch or two an
+    // offer. A tick late behind a busy moment comes at once, as its offer
+    // would have.
+    let mut ticks = tokio_osinterval::interval(Duration::from_secs_f64(1.0 / rate.max(1) as f64));
+    // Every request in flight is a future of this one task, which hands
+    // offers to free slots and takes the answers: no task spawned, no
+    // count shared between threads, per request.
+    let mut busy = FuturesUnordered::new();
+    let mut idle: Vec<&mut http1::Client> = slots.iter_mut().collect();
+    let mut answered = |sent: Instant, good: bool| {
+        let us = sent.elapsed().as_micros() as u64;
+        if good {
+            latency.record(us);
+            total_us += us;
+            ok += 1;
+        } else {
+            errors += 1;
         }
-    });
-    while offered.recv().await.is_some() {
-        offers += 1;
-        let Ok(permit) = Arc::clone(&slots).try_acquire_owned() else {
-            turned_away += 1;
-            continue;
-        };
-        let (http, url) = (http.clone(), url.clone());
-        let (latency, ok, errors, total_us) = (
-            Arc::clone(&latency),
-            Arc::clone(&ok),
-            Arc::clone(&errors),
-            Arc::clone(&total_us),
-        );
-        tokio::spawn(async move {
-            let sent = Instant::now();
-            let result = http
-                .get(&url)
-                .header("x-api-key", "capacity-key")
-                .send()
-                .await;
-            let good = matches!(&result, Ok(r) if r.status().is_success());
-            if let Ok(r) = result {
-                let _ = r.bytes().await;
+    };
+    let mut offering = true;
+    while offering || !busy.is_empty() {
+        tokio::select! {
+            // A slot freed first: an offer that arrives with it finds it.
+            biased;
+            Some((slot, sent, good)) = busy.next(), if !busy.is_empty() => {
+                answered(sent, good);
+                idle.push(slot);
             }
-            let us = sent.elapsed().as_micros() as u64;
-            if good {
-                latency.record(us);
-                total_us.fetch_add(us, Ordering::Relaxed);
-                ok.fetch_add(1, Ordering::Relaxed);
-            } else {
-                errors.fetch_add(1, Ordering::Relaxed);
+            _ = ticks.tick(), if offering => {
+                offers += 1;
+                offering = offers < total;
+                let Some(slot) = idle.pop() else {
+                    turned_away += 1;
+                    continue;
+                };
+                let request = &v.request;
+                busy.push(async move {
+                    let sent = Instant::now();
+                    let answer = slot
+                        .exchange(request, |status, _| (200..300).contains(&status))
+                        .await;
+                    (slot, sent, answer == Ok(true))
+                });
             }
-            drop(permit);
-        });
+        }
     }
-    let _ = pacer.join();
-    // Let the last ones finish, then measure the whole time.
-    let _all = slots.acquire_many(in_flight as u32).await;
     let elapsed = start.elapsed().as_secs_f64();
     let after = scrape(http, &v.base).await;
     let machine = (cpu_of(&v.sharing) - cpu_before) / (elapsed * cores());
@@ -186,20 +176,18 @@ pub(super) async fn step(
         (Some(a), Some(b)) => (b - a) / elapsed,
         _ => f64::NAN,
     };
-    let done = ok.load(Ordering::Relaxed);
-    let failed = errors.load(Ordering::Relaxed);
     let generator_us = match (own_before, process_cpu(std::process::id())) {
-        (Some(a), Some(b)) if done + failed > 0 => (b - a) / (done + failed) as f64 * 1e6,
+        (Some(a), Some(b)) if ok + errors > 0 => (b - a) / (ok + errors) as f64 * 1e6,
         _ => f64::NAN,
     };
     Row {
         point: Point {
             offered: rate as f64,
-            achieved: done as f64 / elapsed,
-            mean_latency: if done == 0 {
+            achieved: ok as f64 / elapsed,
+            mean_latency: if ok == 0 {
                 0.0
             } else {
-                total_us.load(Ordering::Relaxed) as f64 / done as f64 / 1e6
+                total_us as f64 / ok as f64 / 1e6
             },
             machine_cpu: machine,
             turned_away: turned_away as f64 / offers.max(1) as f64,
@@ -209,7 +197,7 @@ pub(super) async fn step(
         check_p50: quantile_between(&before, &after, 0.5),
         check_p99: quantile_between(&before, &after, 0.99),
         instance_cores: cores,
-        errors: failed,
+        errors,
         generator_us,
     }
 }
