@@ -1,7 +1,7 @@
 //! The load generators' own HTTP/1.1: the few lines of it that a client on
 //! keep-alive connections needs, as wrk's are. A request is written from
 //! one buffer; the answer's head is parsed in place by `httparse` and its
-//! body skipped (a `Content-Length` or chunked body). No connection task,
+//! body read past by its length (a `Content-Length` or chunked body). No connection task,
 //! channel, header map or body stream of a general client stands between
 //! the socket and the measurement: at thousands of requests a second on 2
 //! cores, those are what made the generator, not the system under test,
@@ -15,7 +15,7 @@ use crate::traffic;
 use std::net::{IpAddr, SocketAddr};
 use std::ops::Range;
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 /// An answer's header fields as [`traffic::check`] reads them (names are
@@ -42,6 +42,8 @@ pub(crate) struct Answer<T> {
     /// Its body (for a chunked one, the chunks with their framing); the
     /// answer ends where the body does.
     pub(crate) body: Range<usize>,
+    /// The body is chunked.
+    pub(crate) chunked: bool,
     /// The server closes the connection after it.
     pub(crate) close: bool,
 }
@@ -50,7 +52,8 @@ pub(crate) struct Answer<T> {
 /// `read` makes of its status and fields; `None` while more is to come.
 /// An answer whose end cannot be told (no length, not chunked) is an
 /// error: on a keep-alive connection it would end only with the
-/// connection.
+/// connection. So is an interim 1xx answer, which no request here asks
+/// for (none sends `Expect`), and a chunked body with trailer fields.
 pub(crate) fn parse<T>(
     bytes: &[u8],
     read: impl FnOnce(u16, &Fields) -> T,
@@ -63,18 +66,24 @@ pub(crate) fn parse<T>(
         Err(_) => return Err("response"),
     };
     let status = response.code.ok_or("response")?;
+    if status < 200 {
+        return Err("response");
+    }
     let fields = Fields(response.headers);
     let field = |name| traffic::Headers::get(&fields, name).map(str::trim);
     let rest = &bytes[head..];
-    let length = if field("transfer-encoding").is_some_and(|t| t.eq_ignore_ascii_case("chunked")) {
+    let chunked = field("transfer-encoding").is_some_and(|t| t.eq_ignore_ascii_case("chunked"));
+    let length = if status == 204 || status == 304 {
+        // No body, whatever its fields say (a 304's Content-Length is the
+        // representation's it stands for).
+        Some(0)
+    } else if chunked {
         chunked_end(rest)?
     } else {
-        let length = match field("content-length") {
-            Some(n) => n.parse().map_err(|_| "response")?,
-            // A 1xx, 204 or 304 has no body.
-            None if status == 204 || status == 304 || status < 200 => 0,
-            None => return Err("response"),
-        };
+        let length = field("content-length")
+            .ok_or("response")?
+            .parse()
+            .map_err(|_| "response")?;
         (rest.len() >= length).then_some(length)
     };
     let Some(length) = length else {
@@ -84,12 +93,13 @@ pub(crate) fn parse<T>(
     Ok(Some(Answer {
         read: read(status, &fields),
         body: head..head + length,
+        chunked,
         close,
     }))
 }
 
 /// Where a chunked body that starts at `bytes[0]` ends (past its last
-/// chunk and an empty trailer), `None` while it is partial.
+/// chunk and the empty line after it), `None` while it is partial.
 fn chunked_end(bytes: &[u8]) -> Result<Option<usize>, &'static str> {
     let mut at = 0;
     loop {
@@ -99,21 +109,24 @@ fn chunked_end(bytes: &[u8]) -> Result<Option<usize>, &'static str> {
             Err(_) => return Err("body"),
         };
         let size = usize::try_from(size).map_err(|_| "body")?;
-        at += line;
-        if size == 0 {
-            // No trailer fields from our servers: the body ends at the
-            // empty line after the last chunk.
-            return Ok((bytes.len() >= at + 2).then_some(at + 2));
-        }
-        // The chunk's data and its CRLF.
-        let next = at
+        // The chunk's data and the CRLF after it (after the last, empty,
+        // chunk: the empty line that ends the body, as no trailer field
+        // may come first).
+        let data = at + line;
+        let end = data
             .checked_add(size)
             .and_then(|n| n.checked_add(2))
             .ok_or("body")?;
-        if bytes.len() < next {
+        if bytes.len() < end {
             return Ok(None);
         }
-        at = next;
+        if &bytes[end - 2..end] != b"\r\n" {
+            return Err("body");
+        }
+        if size == 0 {
+            return Ok(Some(end));
+        }
+        at = end;
     }
 }
 
@@ -170,6 +183,9 @@ impl Client {
         request: &[u8],
         read: impl Fn(u16, &Fields) -> T,
     ) -> Result<(T, bool), &'static str> {
+        if self.open.as_mut().is_some_and(Connection::closed) {
+            self.open = None;
+        }
         let connection = match &mut self.open {
             Some(connection) => connection,
             open => open.insert(Connection {
@@ -193,6 +209,15 @@ struct Connection {
 }
 
 impl Connection {
+    /// The server has closed this idle connection (an instance closes
+    /// one after its idle timeout): a request written to it would fail
+    /// for want of a connection, not for anything the server did. Free
+    /// unless the socket became readable since its last answer: tokio
+    /// reads only a socket it was told is ready.
+    fn closed(&mut self) -> bool {
+        matches!(self.stream.try_read_buf(&mut self.read), Ok(0))
+    }
+
     /// Reads one answer whole, and whether the server closes after it.
     async fn answer<T>(
         &mut self,
@@ -213,15 +238,6 @@ impl Connection {
         // Whatever follows belongs to the next answer (none is sent before
         // its request, but a server may say more than it was asked).
         self.read.drain(..answer.body.end);
-        if self.read.is_empty() {
-            // The socket is read dry: say so, or the next answer's first
-            // read would be a system call that finds nothing yet (one a
-            // request, most of them on this path). A close or an answer
-            // that arrives later is a new edge, and wakes the read again.
-            let _ = self.stream.try_io(Interest::READABLE, || {
-                Err::<(), _>(std::io::ErrorKind::WouldBlock.into())
-            });
-        }
         Ok((answer.read, answer.close))
     }
 }
@@ -290,11 +306,20 @@ mod tests {
     #[test]
     fn an_answer_whose_end_cannot_be_told_is_refused() {
         assert!(verdict(answer("").as_bytes()).is_err());
-        let empty = "HTTP/1.1 204 No Content\r\n\r\n";
-        assert_eq!(verdict(empty.as_bytes()).unwrap().unwrap().body, 27..27);
         assert!(verdict(b"HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n").is_err());
         assert!(verdict(b"nonsense\r\n\r\n").is_err());
         assert!(verdict(b"SSH-2.0-OpenSSH\r\n\r\n").is_err());
+        // No request here asks for an interim answer.
+        assert!(verdict(b"HTTP/1.1 100 Continue\r\n\r\n").is_err());
+    }
+
+    #[test]
+    fn a_204_or_304_has_no_body_whatever_its_fields_say() {
+        let empty = "HTTP/1.1 204 No Content\r\n\r\n";
+        assert_eq!(verdict(empty.as_bytes()).unwrap().unwrap().body, 27..27);
+        let cached = b"HTTP/1.1 304 Not Modified\r\ncontent-length: 120\r\n\r\n";
+        let said = verdict(cached).unwrap().unwrap();
+        assert_eq!(said.body, cached.len()..cached.len());
     }
 
     #[test]
@@ -305,18 +330,20 @@ mod tests {
         let end = whole.len() - 4;
         let said = verdict(&whole).unwrap().unwrap();
         assert_eq!(said.body, text.len()..end);
+        assert!(said.chunked);
         for cut in 0..end {
             assert!(verdict(&whole[..cut]).unwrap().is_none(), "{cut}");
         }
-        assert_eq!(
-            chunked_end(&body[..body.len() - 4]).unwrap(),
-            Some(end - text.len())
-        );
         assert!(chunked_end(b"zz\r\n").is_err());
+        // Data longer than its size says, and a trailer field, misframe
+        // the answer: refused, not read past.
+        assert!(chunked_end(b"2\r\n[]]\r\n0\r\n\r\n").is_err());
+        assert!(chunked_end(b"0\r\nx-trailer: 1\r\n\r\n").is_err());
     }
 
     /// A server that answers each request on a connection with `answers`
-    /// in turn, and then closes it; every connection it accepted counted.
+    /// in turn (an empty one: it closes without a word), and then closes
+    /// it; every connection it accepted counted.
     async fn serve(
         answers: &'static [&'static str],
     ) -> (SocketAddr, tokio::task::JoinHandle<usize>) {
@@ -335,7 +362,7 @@ mod tests {
                         Ok(n) if n > 0 => {}
                         _ => break,
                     }
-                    if socket.write_all(answer.as_bytes()).await.is_err() {
+                    if answer.is_empty() || socket.write_all(answer.as_bytes()).await.is_err() {
                         break;
                     }
                 }
@@ -369,8 +396,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_client_reconnects_after_a_failed_exchange() {
-        // The server closes without a word after the first answer.
-        let (addr, server) = serve(&["HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"]).await;
+        // The server closes without answering the second request.
+        let (addr, server) = serve(&["HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n", ""]).await;
         let mut client = Client::new(addr, None, Duration::from_secs(5));
         let status = |status: u16, _: &Fields| status;
         assert_eq!(client.exchange(REQUEST, status).await, Ok(200));
@@ -378,6 +405,22 @@ mod tests {
         assert_eq!(client.exchange(REQUEST, status).await, Ok(200));
         drop(client);
         assert_eq!(server.await.unwrap(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_connection_the_server_closed_while_idle_is_not_an_error() {
+        // The server closes each connection after one answer, as an
+        // instance does one idle past its timeout.
+        let (addr, server) = serve(&["HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"]).await;
+        let mut client = Client::new(addr, None, Duration::from_secs(5));
+        let status = |status: u16, _: &Fields| status;
+        for _ in 0..3 {
+            assert_eq!(client.exchange(REQUEST, status).await, Ok(200));
+            // Idle long enough for the close to arrive and be seen.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        drop(client);
+        assert_eq!(server.await.unwrap(), 3);
     }
 
     #[tokio::test]

@@ -70,13 +70,17 @@ fn read_more(stream: &mut TcpStream, buf: &mut Vec<u8>) -> anyhow::Result<bool> 
 }
 
 /// The answer in `buf`, once it is all there: its status and its body's
-/// range. `None` while more is to come.
+/// range. `None` while more is to come. A chunked body is an error: every
+/// server here sends a length, and the metrics text read from a body
+/// ([`fallback_decisions`]) would include the chunks' framing.
 fn answer(buf: &[u8]) -> anyhow::Result<Option<(u16, std::ops::Range<usize>)>> {
-    let answer = crate::http1::parse(buf, |status, _| status).map_err(|why| {
-        let head = String::from_utf8_lossy(&buf[..buf.len().min(200)]);
-        anyhow::anyhow!("not an HTTP answer ({why}): {head:?}")
-    })?;
-    Ok(answer.map(|a| (a.read, a.body)))
+    let head = || String::from_utf8_lossy(&buf[..buf.len().min(200)]).into_owned();
+    let answer = crate::http1::parse(buf, |status, _| status)
+        .map_err(|why| anyhow::anyhow!("not an HTTP answer ({why}): {:?}", head()))?;
+    match answer {
+        Some(answer) if answer.chunked => anyhow::bail!("a chunked answer: {:?}", head()),
+        answer => Ok(answer.map(|a| (a.read, a.body))),
+    }
 }
 
 /// What one connection saw.
@@ -403,9 +407,11 @@ mod tests {
     }
 
     #[test]
-    fn what_is_not_an_answer_whose_end_can_be_told_is_an_error() {
+    fn what_is_not_an_answer_with_a_length_is_an_error() {
         assert!(answer(b"SSH-2.0-OpenSSH\r\n\r\n").is_err());
         assert!(answer(b"HTTP/1.1 200 OK\r\nserver: x\r\n\r\n").is_err());
+        let chunked = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\nx\r\n0\r\n\r\n";
+        assert!(answer(chunked).is_err());
     }
 
     /// Reads `conn` until `done` says so, each read's result checked by it;
