@@ -39,6 +39,7 @@ use crate::results::{self, Chart, Table};
 use anyhow::Context;
 use clap::Args;
 use model::{KEPT_UP, Point, bound_by, knee, mean_in_flight, rtt_bound};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 use step::{Row, Slots, Variant, ping_rtt, step};
@@ -140,24 +141,30 @@ pub async fn run(args: CapacityArgs) -> anyhow::Result<()> {
     let redis_pid = redis.pid().context("redis-server has no pid")?;
     // An instance with no Redis behind it: only it and this generator
     // share the machine.
-    let in_process = |name: &str, fleet: &Fleet| Variant {
-        name: name.into(),
-        rtt: Duration::ZERO,
-        base: fleet.urls[0].clone(),
-        request: request(&fleet.urls[0]),
-        pid: fleet.pids()[0],
-        sharing: vec![generator, fleet.pids()[0]],
+    let in_process = |name: &str, fleet: &Fleet| -> anyhow::Result<Variant> {
+        let addr = address(&fleet.urls[0])?;
+        Ok(Variant {
+            name: name.into(),
+            rtt: Duration::ZERO,
+            base: fleet.urls[0].clone(),
+            addr,
+            request: request(addr),
+            pid: fleet.pids()[0],
+            sharing: vec![generator, fleet.pids()[0]],
+        })
     };
     let mut variants = vec![
-        in_process("no limiter", &unlimited),
-        in_process("memory", &memory),
+        in_process("no limiter", &unlimited)?,
+        in_process("memory", &memory)?,
     ];
+    let lua_addr = address(&lua.urls[0])?;
     for rtt in &args.rtts {
         variants.push(Variant {
             name: format!("lua +{rtt} ms"),
             rtt: Duration::from_secs_f64(rtt / 1000.0),
             base: lua.urls[0].clone(),
-            request: request(&lua.urls[0]),
+            addr: lua_addr,
+            request: request(lua_addr),
             pid: lua.pids()[0],
             sharing: vec![generator, lua.pids()[0], redis_pid],
         });
@@ -175,6 +182,7 @@ pub async fn run(args: CapacityArgs) -> anyhow::Result<()> {
         "check p99 ms",
         "mean in flight",
         "turned away %",
+        "offer late p99 ms",
         "CPU % (of all cores)",
         "instance cores",
         "instance CPU us per request",
@@ -184,9 +192,9 @@ pub async fn run(args: CapacityArgs) -> anyhow::Result<()> {
     ]);
     // The offers and their answers run on a thread of their own, in a
     // single-threaded runtime: an answer or an offer's tick then wakes the
-    // thread already waiting for it. On the shared runtime a worker read
-    // the readiness and woke the thread running the step, a context switch
-    // or two a request.
+    // thread already waiting for it, where on a shared runtime a worker
+    // reading the sockets would wake another thread, a context switch or
+    // two a request of the generator's own.
     let series = std::thread::scope(|scope| {
         scope
             .spawn(|| {
@@ -226,11 +234,22 @@ async fn measure(
         } else {
             None
         };
-        let target = address(&v.base)?;
         let mut slots: Slots = (0..args.in_flight)
-            .map(|_| http1::Client::new(target, None, Duration::from_secs(5)))
+            .map(|_| http1::Client::new(v.addr, None, Duration::from_secs(5)))
             .collect();
-        // Warm up: connections, the script cache.
+        // Warm up: every slot's connection (a step at a light rate uses
+        // one or two of them), then the script cache.
+        let connected = futures_util::future::join_all(
+            slots
+                .iter_mut()
+                .map(|slot| slot.exchange(&v.request, |status, _| status)),
+        )
+        .await;
+        anyhow::ensure!(
+            connected.iter().all(|answer| answer == &Ok(200)),
+            "{} does not answer 200 to every slot: {connected:?}",
+            v.name
+        );
         step(&http, v, &mut slots, 200, 0.5).await;
         let mut rows = Vec::new();
         for &rate in &args.rates {
@@ -259,6 +278,7 @@ async fn measure(
                 results::ms_from_secs(row.check_p99),
                 format!("{:.1}", mean_in_flight(&row.point)),
                 format!("{:.0}", row.point.turned_away * 100.0),
+                results::ms_from_us(row.late_p99),
                 format!("{:.0}", row.point.machine_cpu * 100.0),
                 format!("{:.2}", row.instance_cores),
                 if row.point.achieved > 0.0 {
@@ -281,18 +301,17 @@ async fn measure(
     Ok(series)
 }
 
-/// What every offer sends to the instance at `base`.
-fn request(base: &str) -> Vec<u8> {
-    let host = base.trim_start_matches("http://");
-    format!("GET /api/items HTTP/1.1\r\nhost: {host}\r\nx-api-key: capacity-key\r\n\r\n")
-        .into_bytes()
+/// The socket address of the instance at `base` (`http://<ip>:<port>`).
+fn address(base: &str) -> anyhow::Result<SocketAddr> {
+    base.trim_start_matches("http://")
+        .parse()
+        .with_context(|| format!("not an instance's address: {base}"))
 }
 
-/// The socket address of the instance at `base` (`http://<ip>:<port>`).
-fn address(base: &str) -> anyhow::Result<std::net::SocketAddr> {
-    let host = base.trim_start_matches("http://");
-    host.parse()
-        .with_context(|| format!("not an instance's address: {base}"))
+/// What every offer sends to the instance at `addr`.
+fn request(addr: SocketAddr) -> Vec<u8> {
+    format!("GET /api/items HTTP/1.1\r\nhost: {addr}\r\nx-api-key: capacity-key\r\n\r\n")
+        .into_bytes()
 }
 
 /// The instance's CPU time per request served in a step, microseconds

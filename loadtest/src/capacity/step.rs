@@ -68,6 +68,8 @@ pub(super) struct Variant {
     /// The round trip added by the proxy (nominal).
     pub(super) rtt: Duration,
     pub(super) base: String,
+    /// The instance's address, which `base` names.
+    pub(super) addr: std::net::SocketAddr,
     /// The request each offer sends, whole.
     pub(super) request: Vec<u8>,
     pub(super) pid: u32,
@@ -78,6 +80,8 @@ pub(super) struct Variant {
 /// One step's full row.
 pub(super) struct Row {
     pub(super) point: Point,
+    /// How late the offers went out after their instants, p99, us.
+    pub(super) late_p99: Option<u64>,
     pub(super) req_p50: Option<u64>,
     pub(super) req_p99: Option<u64>,
     pub(super) check_p50: Option<f64>,
@@ -111,6 +115,10 @@ pub(super) async fn step(
     seconds: f64,
 ) -> Row {
     let latency = Latency::default();
+    // How late each offer went out after its instant: a generator that
+    // falls behind sends late ticks at once, and a burst larger than the
+    // free slots is turned away by the generator, not the server.
+    let late = Latency::default();
     let (mut offers, mut turned_away, mut ok, mut errors, mut total_us) = (0u64, 0, 0, 0, 0);
     let before = scrape(http, &v.base).await;
     let cpu_before = cpu_of(&v.sharing);
@@ -122,9 +130,9 @@ pub(super) async fn step(
     // would come as bursts of 8 or more, and a burst larger than the slots
     // would be turned away by the generator, not the server. The kernel's
     // timer (a timerfd) keeps each offer's instant, and being a descriptor
-    // it wakes the same `epoll_wait` the answers do: a thread that slept to
-    // each instant and handed it over cost a context switch or two an
-    // offer. A tick late behind a busy moment comes at once, as its offer
+    // it wakes the same `epoll_wait` the answers do (a thread sleeping to
+    // each instant would have to wake this one, a context switch or two an
+    // offer). A tick late behind a busy moment comes at once, as its offer
     // would have.
     let mut ticks = tokio_osinterval::interval(Duration::from_secs_f64(1.0 / rate.max(1) as f64));
     // Every request in flight is a future of this one task, which hands
@@ -151,7 +159,8 @@ pub(super) async fn step(
                 answered(sent, good);
                 idle.push(slot);
             }
-            _ = ticks.tick(), if offering => {
+            due = ticks.tick(), if offering => {
+                late.record(due.elapsed().as_micros() as u64);
                 offers += 1;
                 offering = offers < total;
                 let Some(slot) = idle.pop() else {
@@ -192,6 +201,7 @@ pub(super) async fn step(
             machine_cpu: machine,
             turned_away: turned_away as f64 / offers.max(1) as f64,
         },
+        late_p99: late.quantile(0.99),
         req_p50: latency.quantile(0.5),
         req_p99: latency.quantile(0.99),
         check_p50: quantile_between(&before, &after, 0.5),

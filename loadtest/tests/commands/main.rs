@@ -294,6 +294,11 @@ fn capacity_measures_every_variant_and_writes_its_results() {
             row[col("achieved/s")].parse::<f64>().unwrap() > 0.0,
             "{csv}"
         );
+        // How late the offers went out after their instants.
+        assert!(
+            row[col("offer late p99 ms")].parse::<f64>().is_ok(),
+            "{csv}"
+        );
     }
     // The generator's own CPU a request, read in clock ticks: a short step
     // may read none, the whole run cannot.
