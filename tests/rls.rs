@@ -14,7 +14,7 @@ use ratelimiter::rls::proto::envoy::service::ratelimit::v3::{RateLimitRequest, R
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Instant;
-use testkit::{ChildGuard, RedisServer, free_port, wait_for_port};
+use testkit::{ChildGuard, RedisServer, TempDir, free_port, wait_for_port};
 use tonic::transport::Channel;
 
 const BIN: &str = env!("CARGO_BIN_EXE_ratelimiter");
@@ -338,6 +338,85 @@ async fn a_long_value_is_limited_like_any_other() {
     let other = format!("{}j", &long[1..]);
     let s = one(&mut c, &[("api_key", other.as_str())], None).await;
     assert_eq!((s.code, s.limit_remaining), (Code::Ok as i32, 99));
+}
+
+/// Out of descriptors, the service waits for one to come back rather than
+/// retry `accept` at once (tonic's own accept loop does, logging nothing
+/// above trace, a core spinning until a descriptor frees), says so, and
+/// answers again once connections close.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn out_of_descriptors_the_service_waits_says_so_and_recovers() {
+    let dir = TempDir::new("rls-emfile").unwrap();
+    let log = dir.join("stderr");
+    let (http, grpc) = (free_port().unwrap(), free_port().unwrap());
+    let _service = ChildGuard(
+        Command::new("sh")
+            .args(["-c", "ulimit -n 64 && exec \"$0\" \"$@\""])
+            .arg(BIN)
+            .args(["--config", &format!("{ROOT}/config/rls.toml")])
+            .args(["--listen", &format!("127.0.0.1:{http}")])
+            .args(["--rls-listen", &format!("127.0.0.1:{grpc}")])
+            .args(["--backend", "memory"])
+            .env("RUST_LOG", "error")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for_port(grpc, "the rate limit service").unwrap();
+    // More connections than descriptors: the kernel completes them all
+    // and queues what the process cannot take.
+    let held: Vec<_> = (0..120)
+        .map(|_| std::net::TcpStream::connect(("127.0.0.1", grpc)).unwrap())
+        .collect();
+    let failures = || {
+        std::fs::read_to_string(&log)
+            .unwrap()
+            .lines()
+            .filter(|l| l.contains("accept failed") && l.contains("rls"))
+            .count()
+    };
+    let deadline = Instant::now() + std::time::Duration::from_secs(10);
+    while failures() == 0 {
+        assert!(Instant::now() < deadline, "no accept failure logged");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    // A failure a retry, a retry every 100 ms: a second is about ten.
+    let before = failures();
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    let in_a_second = failures() - before;
+    assert!(
+        (1..=30).contains(&in_a_second),
+        "{in_a_second} failures in a second"
+    );
+    drop(held);
+    let deadline = Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let answered = async {
+            let channel =
+                tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{grpc}"))
+                    .ok()?
+                    .connect()
+                    .await
+                    .ok()?;
+            let mut c = RateLimitServiceClient::new(channel);
+            ask(
+                &mut c,
+                request("demo", vec![descriptor(&[("api_key", "k")], None)], 1),
+            )
+            .await
+            .ok()
+        };
+        if let Some(r) = answered.await {
+            assert_eq!(r.overall_code, Code::Ok as i32);
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not served after the connections closed"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
 }
 
 /// A call is one trace under Envoy's span: the RPC's server span, a

@@ -177,6 +177,31 @@ fn is_connection_error(e: &std::io::Error) -> bool {
     )
 }
 
+/// How long a listener waits after `accept` failed for want of a
+/// descriptor or the like, before it tries again.
+const ACCEPT_RETRY: Duration = Duration::from_millis(100);
+
+/// The next connection on `listener` (`name` in the log). A failure that
+/// concerns one connection is skipped. Any other, out of descriptors
+/// (EMFILE) above all, is logged and waited out: the pending connections
+/// keep the listener readable, so trying again at once would spin a core
+/// and log nothing until a descriptor came back.
+pub(crate) async fn accept(
+    listener: &TcpListener,
+    name: &'static str,
+) -> (tokio::net::TcpStream, std::net::SocketAddr) {
+    loop {
+        match listener.accept().await {
+            Ok(accepted) => return accepted,
+            Err(e) if is_connection_error(&e) => {}
+            Err(e) => {
+                tracing::error!(listener = name, error = %e, "accept failed");
+                tokio::time::sleep(ACCEPT_RETRY).await;
+            }
+        }
+    }
+}
+
 /// Accepts connections on `listener` and serves `front` on each, within
 /// `settings`, until `shutdown` completes; then stops accepting, closes
 /// idle connections and waits for requests in flight. Trusted proxies
@@ -204,17 +229,7 @@ pub async fn serve_connections(
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
         let (stream, peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(e) if is_connection_error(&e) => continue,
-                Err(e) => {
-                    // Out of descriptors (EMFILE) or the like: the caps
-                    // should keep this away; wait rather than spin.
-                    tracing::error!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            },
+            accepted = accept(&listener, "http") => accepted,
             () = &mut shutdown => break,
         };
         let owner = limiter.get().connection_owner(peer.ip());

@@ -480,12 +480,17 @@ pub async fn serve_rls(
     max_message_bytes: usize,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
+    // Our accept, not tonic's `TcpIncoming`: tonic retries a failed accept
+    // at once and logs it only at trace level.
+    let incoming = futures_util::stream::unfold(listener, |listener| async move {
+        let (stream, _) = connections::accept(&listener, "rls").await;
+        // Answers are written whole; Nagle would only delay them.
+        let _ = stream.set_nodelay(true);
+        Some((Ok::<_, std::io::Error>(stream), listener))
+    });
     tonic::transport::Server::builder()
         .add_service(service.into_service(max_message_bytes))
-        .serve_with_incoming_shutdown(
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-            shutdown,
-        )
+        .serve_with_incoming_shutdown(incoming, shutdown)
         .await
 }
 
