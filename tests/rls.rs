@@ -14,7 +14,7 @@ use ratelimiter::rls::proto::envoy::service::ratelimit::v3::{RateLimitRequest, R
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Instant;
-use testkit::{ChildGuard, RedisServer, TempDir, free_port, wait_for_port};
+use testkit::{ChildGuard, RedisCluster, RedisServer, TempDir, free_port, wait_for_port};
 use tonic::transport::Channel;
 
 const BIN: &str = env!("CARGO_BIN_EXE_ratelimiter");
@@ -323,6 +323,36 @@ async fn envoys_client_gets_the_example_domain_on_redis() {
     // The buckets are in Redis.
     let keys = redis.cli(&["DBSIZE"]).unwrap();
     assert!(keys.trim().parse::<u64>().unwrap() >= 4, "{keys}");
+}
+
+/// On a Redis Cluster: the same answers, with the buckets spread over
+/// the masters by their slots (the login policy's deny cache included).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoys_client_gets_the_example_domain_on_a_cluster() {
+    let cluster = RedisCluster::start().unwrap();
+    let mut args = vec![
+        "--backend",
+        "lua",
+        "--key-secret",
+        "rls-test-secret-0123456789",
+    ];
+    let urls = cluster.urls();
+    for url in &urls {
+        args.extend(["--redis-cluster", url.as_str()]);
+    }
+    let (_service, port) = start(&args);
+    the_example_domain(port, "c").await;
+    bad_input(port, "c").await;
+    let keys: Vec<u64> = cluster
+        .nodes
+        .iter()
+        .map(|node| node.cli(&["DBSIZE"]).unwrap().trim().parse().unwrap())
+        .collect();
+    assert!(keys.iter().sum::<u64>() >= 4, "{keys:?}");
+    assert!(
+        keys.iter().filter(|&&n| n > 0).count() >= 2,
+        "one node holds every bucket: {keys:?}"
+    );
 }
 
 /// A value is what a client sent (Envoy's `request_headers` action copies
