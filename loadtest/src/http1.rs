@@ -18,6 +18,40 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+/// Puts a request onto the end of `buf`: its line, `fields` in their
+/// order and, with a `body`, that JSON with its type and length. The one
+/// place the generators' requests are framed, so none of them can send a
+/// body without its length or a field without its line end.
+pub(crate) fn write_request<'a>(
+    buf: &mut Vec<u8>,
+    method: &str,
+    path: &str,
+    fields: impl IntoIterator<Item = (&'a str, &'a str)>,
+    body: Option<&str>,
+) {
+    for part in [method, " ", path, " HTTP/1.1\r\n"] {
+        buf.extend_from_slice(part.as_bytes());
+    }
+    for (name, value) in fields {
+        for part in [name, ": ", value, "\r\n"] {
+            buf.extend_from_slice(part.as_bytes());
+        }
+    }
+    if let Some(json) = body {
+        let length = json.len().to_string();
+        for part in [
+            "content-type: application/json\r\ncontent-length: ",
+            &length,
+            "\r\n\r\n",
+            json,
+        ] {
+            buf.extend_from_slice(part.as_bytes());
+        }
+    } else {
+        buf.extend_from_slice(b"\r\n");
+    }
+}
+
 /// An answer's header fields as [`traffic::check`] reads them (names are
 /// case insensitive; a value that is no UTF-8 is absent).
 pub(crate) struct Fields<'a>(&'a [httparse::Header<'a>]);
@@ -271,6 +305,43 @@ mod tests {
 
     fn verdict(bytes: &[u8]) -> Result<Option<Answer<Verdict>>, &'static str> {
         parse(bytes, |status, fields| traffic::check(status, fields))
+    }
+
+    #[test]
+    fn a_request_is_framed_with_its_fields_and_its_body_length() {
+        let mut buf = b"left ".to_vec();
+        write_request(
+            &mut buf,
+            "GET",
+            "/api/items",
+            [("host", "h"), ("x-api-key", "k")],
+            None,
+        );
+        assert_eq!(
+            buf,
+            b"left GET /api/items HTTP/1.1\r\nhost: h\r\nx-api-key: k\r\n\r\n"
+        );
+        buf.clear();
+        write_request(
+            &mut buf,
+            "POST",
+            "/api/orders",
+            [("host", "h")],
+            Some("{\"a\":1}"),
+        );
+        let mut fields = [httparse::EMPTY_HEADER; 4];
+        let mut request = httparse::Request::new(&mut fields);
+        let head = match request.parse(&buf) {
+            Ok(httparse::Status::Complete(head)) => head,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            (request.method, request.path),
+            (Some("POST"), Some("/api/orders"))
+        );
+        let length = request.headers.iter().find(|f| f.name == "content-length");
+        assert_eq!(length.map(|f| f.value), Some(&b"7"[..]));
+        assert_eq!(&buf[head..], b"{\"a\":1}");
     }
 
     #[test]

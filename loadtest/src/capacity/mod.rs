@@ -310,8 +310,10 @@ fn address(base: &str) -> anyhow::Result<SocketAddr> {
 
 /// What every offer sends to the instance at `addr`.
 fn request(addr: SocketAddr) -> Vec<u8> {
-    format!("GET /api/items HTTP/1.1\r\nhost: {addr}\r\nx-api-key: capacity-key\r\n\r\n")
-        .into_bytes()
+    let (mut request, host) = (Vec::new(), addr.to_string());
+    let fields = [("host", host.as_str()), ("x-api-key", "capacity-key")];
+    http1::write_request(&mut request, "GET", "/api/items", fields, None);
+    request
 }
 
 /// The instance's CPU time per request served in a step, microseconds

@@ -135,8 +135,13 @@ pub enum Client {
     Threads,
 }
 
-/// The request every connection sends.
-const REQUEST: &[u8] = b"GET /api/items HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
+/// The request every connection sends, framed once.
+static REQUEST: std::sync::LazyLock<Vec<u8>> = std::sync::LazyLock::new(|| {
+    let mut request = Vec::new();
+    let fields = [("host", "127.0.0.1")];
+    crate::http1::write_request(&mut request, "GET", "/api/items", fields, None);
+    request
+});
 
 /// Drives `port` with `args.connections` closed-loop connections: the
 /// warm-up, then the measured requests, reading `pids`' CPU (user, kernel)
@@ -296,7 +301,7 @@ fn phase(
 /// Sends the request on a non-blocking connection with nothing else in
 /// flight: its few bytes fit the socket's buffer, or something is wrong.
 fn send(stream: &mut TcpStream) -> anyhow::Result<()> {
-    let n = stream.write(REQUEST).context("cannot send the request")?;
+    let n = stream.write(&REQUEST).context("cannot send the request")?;
     ensure!(n == REQUEST.len(), "the request went out in part");
     Ok(())
 }
@@ -333,7 +338,7 @@ fn threads(
             let mut warm = || -> anyhow::Result<()> {
                 let stream = stream.as_mut().map_err(|e| anyhow::anyhow!("{e}"))?;
                 for _ in 0..warmup {
-                    exchange(stream, REQUEST, &mut buf)?;
+                    exchange(stream, &REQUEST, &mut buf)?;
                 }
                 Ok(())
             };
@@ -346,7 +351,7 @@ fn threads(
             let mut tally = Tally::with_capacity(measured);
             for _ in 0..measured {
                 let sent = Instant::now();
-                let (status, _) = exchange(stream, REQUEST, &mut buf)?;
+                let (status, _) = exchange(stream, &REQUEST, &mut buf)?;
                 tally.record(sent, status);
             }
             Ok(tally)

@@ -14,7 +14,6 @@ use crate::http1;
 use crate::traffic::{self, Verdict};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
-use std::io::Write;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -110,13 +109,21 @@ async fn client(run: Arc<Run>, target: SocketAddr, host: String, n: u64) {
         }
         let (route, key) = next_request(&run, Class::Surge, &mut rng);
         request.clear();
-        write_request(
+        let body = route.body();
+        let fields = [
+            Some(("host", host.as_str())),
+            Some(("user-agent", who.user_agent)),
+            key.map(|tenant| ("x-api-key", tenant.key.as_str())),
+            forwarded_for
+                .as_deref()
+                .map(|addr| ("x-forwarded-for", addr)),
+        ];
+        http1::write_request(
             &mut request,
-            route,
-            &host,
-            who.user_agent,
-            key.map(|tenant| tenant.key.as_str()),
-            forwarded_for.as_deref(),
+            if body.is_some() { "POST" } else { "GET" },
+            &route.path(),
+            fields.into_iter().flatten(),
+            body.as_deref(),
         );
         let sent = Instant::now();
         let verdict = http
@@ -130,40 +137,5 @@ async fn client(run: Arc<Run>, target: SocketAddr, host: String, n: u64) {
             sent.elapsed().as_micros() as u64,
             &verdict,
         );
-    }
-}
-
-/// `route`'s request, whole, onto the end of `request`: its Host and
-/// User-Agent, the API key and the proxy's X-Forwarded-For if any.
-fn write_request(
-    request: &mut Vec<u8>,
-    route: traffic::Route,
-    host: &str,
-    user_agent: &str,
-    api_key: Option<&str>,
-    forwarded_for: Option<&str>,
-) {
-    let body = route.body();
-    let _ = write!(
-        request,
-        "{} {} HTTP/1.1\r\nhost: {host}\r\nuser-agent: {user_agent}\r\n",
-        if body.is_some() { "POST" } else { "GET" },
-        route.path(),
-    );
-    if let Some(key) = api_key {
-        let _ = write!(request, "x-api-key: {key}\r\n");
-    }
-    if let Some(addr) = forwarded_for {
-        let _ = write!(request, "x-forwarded-for: {addr}\r\n");
-    }
-    match &body {
-        Some(json) => {
-            let _ = write!(
-                request,
-                "content-type: application/json\r\ncontent-length: {}\r\n\r\n{json}",
-                json.len()
-            );
-        }
-        None => request.extend_from_slice(b"\r\n"),
     }
 }
