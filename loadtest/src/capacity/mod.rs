@@ -146,7 +146,6 @@ pub async fn run(args: CapacityArgs) -> anyhow::Result<()> {
         Ok(Variant {
             name: name.into(),
             rtt: Duration::ZERO,
-            base: fleet.urls[0].clone(),
             addr,
             request: request(addr),
             pid: fleet.pids()[0],
@@ -162,7 +161,6 @@ pub async fn run(args: CapacityArgs) -> anyhow::Result<()> {
         variants.push(Variant {
             name: format!("lua +{rtt} ms"),
             rtt: Duration::from_secs_f64(rtt / 1000.0),
-            base: lua.urls[0].clone(),
             addr: lua_addr,
             request: request(lua_addr),
             pid: lua.pids()[0],

@@ -67,8 +67,7 @@ pub(super) struct Variant {
     pub(super) name: String,
     /// The round trip added by the proxy (nominal).
     pub(super) rtt: Duration,
-    pub(super) base: String,
-    /// The instance's address, which `base` names.
+    /// The instance's address.
     pub(super) addr: std::net::SocketAddr,
     /// The request each offer sends, whole.
     pub(super) request: Vec<u8>,
@@ -94,8 +93,8 @@ pub(super) struct Row {
     pub(super) generator_us: f64,
 }
 
-async fn scrape(http: &reqwest::Client, base: &str) -> Vec<(f64, f64)> {
-    match http.get(format!("{base}/metrics")).send().await {
+async fn scrape(http: &reqwest::Client, addr: std::net::SocketAddr) -> Vec<(f64, f64)> {
+    match http.get(format!("http://{addr}/metrics")).send().await {
         Ok(r) => check_buckets(&r.text().await.unwrap_or_default()),
         Err(_) => Vec::new(),
     }
@@ -120,7 +119,7 @@ pub(super) async fn step(
     // free slots is turned away by the generator, not the server.
     let late = Latency::default();
     let (mut offers, mut turned_away, mut ok, mut errors, mut total_us) = (0u64, 0, 0, 0, 0);
-    let before = scrape(http, &v.base).await;
+    let before = scrape(http, v.addr).await;
     let cpu_before = cpu_of(&v.sharing);
     let proc_before = process_cpu(v.pid);
     let own_before = process_cpu(std::process::id());
@@ -179,7 +178,7 @@ pub(super) async fn step(
         }
     }
     let elapsed = start.elapsed().as_secs_f64();
-    let after = scrape(http, &v.base).await;
+    let after = scrape(http, v.addr).await;
     let machine = (cpu_of(&v.sharing) - cpu_before) / (elapsed * cores());
     let cores = match (proc_before, process_cpu(v.pid)) {
         (Some(a), Some(b)) => (b - a) / elapsed,
