@@ -25,13 +25,22 @@ fn start(args: &[&str]) -> (ChildGuard, u16) {
     start_with(args, &[])
 }
 
-/// [`start`], with `env` set.
-fn start_with(args: &[&str], env: &[(&str, &str)]) -> (ChildGuard, u16) {
+/// `command` (the binary, or a shell that runs it) given
+/// `config/rls.toml` and free ports to listen on; its gRPC port.
+fn on_free_ports(command: &mut Command) -> u16 {
     let (http, grpc) = (free_port().unwrap(), free_port().unwrap());
-    let child = Command::new(BIN)
+    command
         .args(["--config", &format!("{ROOT}/config/rls.toml")])
         .args(["--listen", &format!("127.0.0.1:{http}")])
-        .args(["--rls-listen", &format!("127.0.0.1:{grpc}")])
+        .args(["--rls-listen", &format!("127.0.0.1:{grpc}")]);
+    grpc
+}
+
+/// [`start`], with `env` set.
+fn start_with(args: &[&str], env: &[(&str, &str)]) -> (ChildGuard, u16) {
+    let mut command = Command::new(BIN);
+    let grpc = on_free_ports(&mut command);
+    let child = command
         .args(args)
         .envs(env.iter().copied())
         .stdout(Stdio::null())
@@ -378,14 +387,13 @@ async fn a_long_value_is_limited_like_any_other() {
 async fn out_of_descriptors_the_service_waits_says_so_and_recovers() {
     let dir = TempDir::new("rls-emfile").unwrap();
     let log = dir.join("stderr");
-    let (http, grpc) = (free_port().unwrap(), free_port().unwrap());
+    let mut command = Command::new("sh");
+    command
+        .args(["-c", "ulimit -n 64 && exec \"$0\" \"$@\""])
+        .arg(BIN);
+    let grpc = on_free_ports(&mut command);
     let _service = ChildGuard(
-        Command::new("sh")
-            .args(["-c", "ulimit -n 64 && exec \"$0\" \"$@\""])
-            .arg(BIN)
-            .args(["--config", &format!("{ROOT}/config/rls.toml")])
-            .args(["--listen", &format!("127.0.0.1:{http}")])
-            .args(["--rls-listen", &format!("127.0.0.1:{grpc}")])
+        command
             .args(["--backend", "memory"])
             .env("RUST_LOG", "error")
             .stdout(Stdio::null())

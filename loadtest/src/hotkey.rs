@@ -645,10 +645,10 @@ mod tests {
 
     /// A run's own figures (2026-12-07, surge from 20 s, deny cache at
     /// 50 s): tenant-08's `api` bucket on :7001 (1,500 store calls a
-    /// second from 30 s), its `orders` bucket on the quiet :7002 (300). By mean share :7002 came first
-    /// (0.81 against 0.78: the first figures in the surge were still the
-    /// last interval's before it); by store calls :7001 is five times
-    /// ahead.
+    /// second from 30 s), its `orders` bucket on the quiet :7002 (300).
+    /// By mean share :7002 came first (0.81 against 0.78: the first
+    /// figures in the surge were still the last interval's before it); by
+    /// store calls :7001 is five times ahead.
     #[test]
     fn the_surge_node_is_where_its_key_makes_the_most_calls() {
         let share = vec![
